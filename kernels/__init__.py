@@ -1,0 +1,17 @@
+"""Attention kernels over the paged KV cache: pure-torch references (CPU path, ground truth)."""
+
+from .reference import (
+    extend_attention_dense,
+    paged_decode_attention,
+    paged_extend_attention,
+    store_kv_cache,
+    token_slots_from_block_tables,
+)
+
+__all__ = [
+    "extend_attention_dense",
+    "paged_decode_attention",
+    "paged_extend_attention",
+    "store_kv_cache",
+    "token_slots_from_block_tables",
+]

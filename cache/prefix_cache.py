@@ -1,0 +1,169 @@
+"""The prefix-cache interface, its result types, and the "cache off" implementation.
+
+The engine talks only to ``PrefixCache``, so turning prefix caching off swaps
+the implementation, not the engine's code path. The contract, in the order the
+engine uses it:
+
+* admission: ``m = cache.match_prefix(prompt[:-1]); cache.lock(m.node);
+  allocator.incref(m.block_ids)`` -- the request's block table starts with
+  ``m.block_ids`` and only ``prompt[m.num_tokens:]`` is prefilled. If
+  ``allocator.num_free`` is too low for the rest, call ``cache.evict(k)``
+  (after locking, so the matched blocks cannot be evicted) and check its result.
+* publish (optional, mid-prefill): ``r = cache.insert(tokens[:n*bs], table[:n]);
+  cache.lock(r.node); cache.unlock(old_node)``.
+* finish/abort: ``r = cache.insert(...)`` of the computed full blocks,
+  ``cache.unlock(node)``, ``allocator.decref(table)``; the tree's own
+  references keep cached blocks alive.
+
+# NOTE: every tree block a running request holds must lie on the root->node
+# path of a node that request has locked. ``stats().evictable`` and the
+# integrity check rely on it; ``evict`` stays safe even if it is violated.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Mapping, NamedTuple, Sequence
+
+from .allocator import BlockAllocator
+
+__all__ = ["MatchResult", "InsertResult", "CacheStats", "PrefixCache", "NoPrefixCache"]
+
+
+class MatchResult(NamedTuple):
+    block_ids: list[int]
+    """Cached blocks covering the first ``num_tokens`` tokens (not incref'd)."""
+    num_tokens: int
+    """Always a multiple of ``block_size``."""
+    node: object
+    """Handle to lock/unlock: the deepest matched node (the root if nothing matched)."""
+
+
+class InsertResult(NamedTuple):
+    num_cached_tokens: int
+    """How many inserted tokens were already in the tree (multiple of block_size).
+    For that part the tree kept its own blocks; where the caller's block differs
+    (``table[i] != block_ids[i]``) the caller's block is a duplicate it still owns."""
+    node: object
+    """Handle of the deepest node now covering the inserted tokens."""
+    block_ids: list[int]
+    """The tree's block ids for ALL inserted full blocks (one per full block)."""
+
+
+class CacheStats(NamedTuple):
+    """Block counts. ``locked``: tree blocks on a path locked by some request.
+    ``evictable``: tree blocks not locked (held only by the tree when the
+    engine follows the lock contract). Tree blocks = locked + evictable."""
+
+    total: int
+    free: int
+    evictable: int
+    locked: int
+
+
+class PrefixCache(ABC):
+    """Maps token prefixes (whole blocks only) to KV blocks that hold them."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.num_evicted_blocks = 0  # for metrics; stays 0 when nothing is cached
+
+    @abstractmethod
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached run of whole blocks that prefixes ``token_ids``.
+        Does not incref; only refreshes LRU timestamps (and may split a node,
+        which changes nothing observable)."""
+
+    @abstractmethod
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+        """Cache ``token_ids`` truncated to whole blocks; ``block_ids[i]`` holds
+        tokens ``[i*bs, (i+1)*bs)`` (extra trailing ids are ignored). The tree
+        increfs the blocks it newly takes; it never takes the caller's
+        duplicates of blocks it already has."""
+
+    @abstractmethod
+    def lock(self, node: object) -> None:
+        """Protect the root->node path from eviction. Locks nest (counted)."""
+
+    @abstractmethod
+    def unlock(self, node: object) -> None:
+        """Undo one ``lock(node)``."""
+
+    @abstractmethod
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` blocks held only by the tree, least recently
+        used unlocked leaves first; return how many went back to the free list."""
+
+    @abstractmethod
+    def stats(self) -> CacheStats:
+        """Block counts, O(1)."""
+
+    @abstractmethod
+    def check_integrity(self, external_refs: Mapping[int, int] | None = None) -> None:
+        """Raise AssertionError if any invariant is broken. ``external_refs``:
+        block id -> number of running requests whose block tables hold it;
+        when given, every block's ref count is checked exactly."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every unlocked node (for tests and benchmarks)."""
+
+
+class _NoCacheRoot:
+    """The only node of a cache that caches nothing; lock/unlock ignore it."""
+
+    def __repr__(self) -> str:
+        return "<NoPrefixCache root>"
+
+
+class NoPrefixCache(PrefixCache):
+    """Prefix caching off: same interface, nothing is ever cached.
+
+    ``insert`` returns the caller's own block ids as ``block_ids`` with
+    ``num_cached_tokens == 0``: there are no duplicates to handle, and since
+    the tree took no reference, the caller's final ``decref`` frees them.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        super().__init__(allocator, block_size)
+        self._root = _NoCacheRoot()
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return MatchResult([], 0, self._root)
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+        n = len(token_ids) // self.block_size
+        if len(block_ids) < n:
+            raise ValueError(f"{n} full blocks of tokens but only {len(block_ids)} block ids")
+        return InsertResult(0, self._root, list(block_ids[:n]))
+
+    def lock(self, node: object) -> None:
+        if node is not self._root:
+            raise ValueError(f"{node!r} is not a handle of this NoPrefixCache")
+
+    def unlock(self, node: object) -> None:
+        if node is not self._root:
+            raise ValueError(f"{node!r} is not a handle of this NoPrefixCache")
+
+    def evict(self, num_blocks: int) -> int:
+        return 0
+
+    def stats(self) -> CacheStats:
+        a = self.allocator
+        return CacheStats(total=a.num_total, free=a.num_free, evictable=0, locked=0)
+
+    def check_integrity(self, external_refs: Mapping[int, int] | None = None) -> None:
+        a = self.allocator
+        a.check_integrity()
+        if external_refs is None:
+            return
+        for b in range(a.num_total):
+            n = external_refs.get(b, 0)
+            assert n <= 1, f"block {b} is shared by {n} requests but no tree holds it"
+            assert a.ref_count(b) == n, f"block {b}: ref count {a.ref_count(b)} != {n} holders"
+
+    def reset(self) -> None:
+        pass

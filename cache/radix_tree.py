@@ -1,0 +1,309 @@
+"""Radix-tree prefix cache over whole KV blocks.
+
+Each edge is a run of whole blocks: a node stores the tokens of its edge
+(``key``, a multiple of ``block_size`` long) and the KV blocks holding them.
+Because only whole blocks are cached, a block's KV depends only on the tokens
+from the root down to the end of that block, so two requests with the same
+block-aligned prefix can share the same physical blocks.
+
+Eviction takes least-recently-used unlocked leaves from an ``LRUIndex``, so it
+never walks the tree; a leaf may be trimmed from its tail when fewer blocks are
+needed than it holds. ``last_access`` is a counter, not wall time, so tests are
+deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from .allocator import BlockAllocator, RefCountError
+from .lru_index import LRUIndex
+from .prefix_cache import CacheStats, InsertResult, MatchResult, PrefixCache
+
+__all__ = ["RadixNode", "RadixPrefixCache"]
+
+
+class RadixNode:
+    """One edge of the tree (the root has an empty key and no blocks).
+
+    # NOTE: lock_ref == num_own_locks + sum(child.lock_ref for children), i.e.
+    # the number of locks on this node or any descendant; a node with
+    # lock_ref > 0 is never evicted.
+    # NOTE: parent.last_access >= child.last_access (touching refreshes the
+    # whole root->node path), so a parent that becomes a leaf keeps LRU order.
+    """
+
+    __slots__ = ("key", "block_ids", "children", "parent", "lock_ref", "num_own_locks", "last_access")
+
+    def __init__(self, key: tuple[int, ...], block_ids: list[int], parent: RadixNode | None, last_access: int) -> None:
+        self.key = key
+        self.block_ids = block_ids
+        # keyed by the child's first block of tokens (a tuple of block_size ints)
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.num_own_locks = 0
+        self.last_access = last_access
+
+    def __repr__(self) -> str:
+        return f"RadixNode(blocks={self.block_ids}, lock_ref={self.lock_ref}, last_access={self.last_access})"
+
+
+class RadixPrefixCache(PrefixCache):
+    """The prefix cache used when prefix caching is on."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        super().__init__(allocator, block_size)
+        self._root = RadixNode((), [], None, 0)
+        self._clock = 0
+        # NOTE: exactly the non-root leaves with lock_ref == 0.
+        self._evictable: LRUIndex[RadixNode] = LRUIndex()
+        self._tree_blocks: set[int] = set()
+        self._num_locked_blocks = 0
+
+    @property
+    def root(self) -> RadixNode:
+        return self._root
+
+    # ---- lookup and insertion -------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        n = len(token_ids) // self.block_size
+        node, block_ids = self._walk(tuple(token_ids[: n * self.block_size]))
+        self._touch(node)
+        return MatchResult(block_ids, len(block_ids) * self.block_size, node)
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+        bs = self.block_size
+        n = len(token_ids) // bs
+        if len(block_ids) < n:
+            raise ValueError(f"{n} full blocks of tokens but only {len(block_ids)} block ids")
+        tokens = tuple(token_ids[: n * bs])
+        node, tree_ids = self._walk(tokens)
+        num_cached = len(tree_ids)
+        if num_cached < n:
+            new_ids = list(block_ids[num_cached:n])
+            clash = [b for b in new_ids if b in self._tree_blocks]
+            if clash or len(set(new_ids)) != len(new_ids):
+                raise ValueError(
+                    f"blocks {clash or new_ids} are already in the tree or repeated; a block can cache "
+                    "only one prefix (is the block table out of sync with its tokens?)"
+                )
+            self.allocator.incref(new_ids)  # NOTE: the tree's own reference
+            if not node.children:
+                self._evictable.discard(node)  # no longer a leaf
+            leaf = RadixNode(tokens[num_cached * bs :], new_ids, node, self._clock)
+            node.children[leaf.key[:bs]] = leaf
+            self._tree_blocks.update(new_ids)
+            tree_ids.extend(new_ids)
+            node = leaf
+        self._touch(node)
+        return InsertResult(num_cached * bs, node, tree_ids)
+
+    def _walk(self, tokens: tuple[int, ...]) -> tuple[RadixNode, list[int]]:
+        """Follow the longest whole-block match of ``tokens`` (block aligned),
+        splitting the last edge if the match ends inside it."""
+        bs = self.block_size
+        node, block_ids, pos = self._root, [], 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos : pos + bs])
+            if child is None:
+                break
+            limit = min(len(child.key), len(tokens) - pos)
+            length = limit
+            if child.key[:limit] != tokens[pos : pos + limit]:
+                length = bs  # the first block matched (it is the dict key)
+                while length < limit and child.key[length : length + bs] == tokens[pos + length : pos + length + bs]:
+                    length += bs
+            if length < len(child.key):
+                child = self._split(child, length // bs)
+            block_ids.extend(child.block_ids)
+            node, pos = child, pos + length
+        return node, block_ids
+
+    def _split(self, child: RadixNode, num_blocks: int) -> RadixNode:
+        """Cut ``child``'s edge after ``num_blocks`` blocks; return the new upper node.
+
+        # NOTE: the lower part stays the same object, so lock handles held by
+        # requests stay valid; the upper part inherits lock_ref (same
+        # descendants' locks) and is internal, so the evictable index and the
+        # locked-block count are unchanged.
+        """
+        bs = self.block_size
+        parent = child.parent
+        assert parent is not None and 0 < num_blocks < len(child.block_ids)
+        upper = RadixNode(child.key[: num_blocks * bs], child.block_ids[:num_blocks], parent, child.last_access)
+        upper.lock_ref = child.lock_ref
+        child.key = child.key[num_blocks * bs :]
+        child.block_ids = child.block_ids[num_blocks:]
+        child.parent = upper
+        upper.children[child.key[:bs]] = child
+        parent.children[upper.key[:bs]] = upper
+        return upper
+
+    def _touch(self, node: RadixNode) -> None:
+        """Mark the root->node path as used now."""
+        if node is self._root:
+            return
+        self._clock += 1
+        n: RadixNode | None = node
+        while n is not None and n is not self._root:
+            n.last_access = self._clock
+            n = n.parent
+        if not node.children and node.lock_ref == 0:
+            self._evictable.add(node, self._clock)
+
+    # ---- locking --------------------------------------------------------------
+
+    def lock(self, node: object) -> None:
+        n = self._as_node(node)
+        if n is self._root:
+            return
+        n.num_own_locks += 1
+        while n is not self._root:
+            if n.lock_ref == 0:
+                self._num_locked_blocks += len(n.block_ids)
+                self._evictable.discard(n)
+            n.lock_ref += 1
+            n = n.parent  # type: ignore[assignment]
+
+    def unlock(self, node: object) -> None:
+        n = self._as_node(node)
+        if n is self._root:
+            return
+        if n.num_own_locks <= 0:
+            raise RefCountError(f"unlock of {n!r} which holds no lock of its own (double unlock?)")
+        n.num_own_locks -= 1
+        while n is not self._root:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._num_locked_blocks -= len(n.block_ids)
+                if not n.children:
+                    self._evictable.add(n, n.last_access)
+            n = n.parent  # type: ignore[assignment]
+
+    def _as_node(self, node: object) -> RadixNode:
+        if not isinstance(node, RadixNode):
+            raise TypeError(f"expected a node handle from match_prefix/insert, got {node!r}")
+        return node
+
+    # ---- eviction -------------------------------------------------------------
+
+    def evict(self, num_blocks: int) -> int:
+        bs = self.block_size
+        ref_count = self.allocator.ref_count
+        freed = 0
+        put_back: list[RadixNode] = []
+        while freed < num_blocks:
+            leaf = self._evictable.pop()
+            if leaf is None:
+                break
+            ids = leaf.block_ids
+            # NOTE: only blocks held by the tree alone (ref 1) may be freed; a
+            # request that holds a tree block without locking it keeps it alive.
+            k = 0
+            while k < len(ids) and freed + k < num_blocks and ref_count(ids[-1 - k]) == 1:
+                k += 1
+            if k == 0:
+                put_back.append(leaf)
+                continue
+            victims = ids[len(ids) - k :]
+            if k == len(ids):
+                self._remove_leaf(leaf)
+            else:
+                del ids[len(ids) - k :]
+                leaf.key = leaf.key[: len(ids) * bs]
+                put_back.append(leaf)
+            self._tree_blocks.difference_update(victims)
+            released = self.allocator.decref(victims)
+            assert len(released) == k
+            freed += k
+        for leaf in put_back:
+            self._evictable.add(leaf, leaf.last_access)
+        self.num_evicted_blocks += freed
+        return freed
+
+    def _remove_leaf(self, leaf: RadixNode) -> None:
+        parent = leaf.parent
+        assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        del parent.children[leaf.key[: self.block_size]]
+        leaf.parent = None
+        if parent is not self._root and not parent.children and parent.lock_ref == 0:
+            self._evictable.add(parent, parent.last_access)  # NOTE: parents that become leaves are candidates
+
+    def reset(self) -> None:
+        """Evict every unlocked node whose blocks no request holds."""
+        self.evict(len(self._tree_blocks))
+
+    # ---- introspection --------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        a = self.allocator
+        locked = self._num_locked_blocks
+        return CacheStats(a.num_total, a.num_free, len(self._tree_blocks) - locked, locked)
+
+    def check_integrity(self, external_refs: Mapping[int, int] | None = None) -> None:
+        """Walk the whole tree (tests only) and assert every invariant.
+
+        With ``external_refs`` it also asserts the engine's side of the
+        contract: tree blocks held by a request lie on a locked path, and a
+        block outside the tree is private to at most one request.
+        """
+        a = self.allocator
+        a.check_integrity()
+        self._evictable.check_integrity()
+        bs, root = self.block_size, self._root
+        assert root.parent is None and root.key == () and not root.block_ids and root.lock_ref == 0
+        tree_blocks: set[int] = set()
+        locked_blocks: set[int] = set()
+        leaves: set[RadixNode] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for first, child in node.children.items():
+                assert child.parent is node, f"{child!r} has a wrong parent"
+                assert child.block_ids and len(child.key) == len(child.block_ids) * bs, f"{child!r}: bad key length"
+                assert child.key[:bs] == first, f"{child!r} is filed under the wrong first block"
+                assert node is root or child.last_access <= node.last_access, f"{child!r} is newer than its parent"
+                child_locks += child.lock_ref
+                stack.append(child)
+            if node is root:
+                continue
+            assert node.last_access <= self._clock
+            assert node.num_own_locks >= 0 and node.lock_ref == node.num_own_locks + child_locks, f"{node!r}: lock_ref"
+            for b in node.block_ids:
+                assert b not in tree_blocks, f"block {b} appears twice in the tree"
+                tree_blocks.add(b)
+            if node.lock_ref > 0:
+                locked_blocks.update(node.block_ids)
+            elif not node.children:
+                leaves.add(node)
+        assert tree_blocks == self._tree_blocks, "tree block set out of sync"
+        assert len(locked_blocks) == self._num_locked_blocks, "locked block count out of sync"
+        assert set(self._evictable) == leaves, "evictable-leaf index does not match the tree"
+        for leaf in leaves:
+            assert self._evictable.priority(leaf) == leaf.last_access, f"{leaf!r}: stale LRU priority"
+        for b in range(a.num_total):
+            in_tree = b in tree_blocks
+            rc = a.ref_count(b)
+            if external_refs is None:
+                assert not in_tree or rc >= 1, f"tree block {b} has ref count {rc}"
+                continue
+            ext = external_refs.get(b, 0)
+            assert rc == ext + in_tree, f"block {b}: ref count {rc} != {ext} request(s) + {int(in_tree)} tree"
+            if in_tree:
+                assert ext == 0 or b in locked_blocks, f"tree block {b} is held by a request but not locked"
+            else:
+                assert ext <= 1, f"block {b} is shared by {ext} requests but is not in the tree"
+
+    def format_tree(self) -> str:
+        """Indented dump for debugging failed tests."""
+        lines: list[str] = []
+        stack = [(self._root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if node is not self._root:
+                lines.append(f"{'  ' * depth}{list(node.key)} {node!r}")
+            stack.extend((c, depth + 1) for c in node.children.values())
+        return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Gives sequences KV blocks, sharing cached prefixes through the prefix cache.
+
+Reference counting (see DESIGN.md "Cache invariants"): a sequence holds one
+reference on every block of its block table; the prefix cache holds one on
+every block in its tree. Releasing a sequence therefore always decrefs its whole
+table; blocks the tree also holds stay alive for the next request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from chatserve.cache import BlockAllocator, PrefixCache, make_prefix_cache
+
+from .sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size)
+        # counters for metrics
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.allocator.num_total
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- admission -------------------------------------------------------
+    def match_and_lock(self, seq: Sequence) -> int:
+        """Reuse the longest cached prefix of seq's tokens, always leaving the last token to compute.
+
+        Returns the number of tokens served from the cache.
+        """
+        assert not seq.block_table and seq.cache_node is None
+        match = self.cache.match_prefix(seq.token_ids[:-1])
+        self.cache.lock(match.node)
+        self.allocator.incref(match.block_ids)
+        seq.cache_node = match.node
+        seq.block_table = list(match.block_ids)
+        seq.num_computed_tokens = match.num_tokens
+        seq.num_published_blocks = len(match.block_ids)
+        self.prefix_query_tokens += len(seq.token_ids) - 1
+        self.prefix_hit_tokens += match.num_tokens
+        return match.num_tokens
+
+    def ensure_free(self, num_blocks: int) -> bool:
+        """Make `num_blocks` free, evicting unlocked cached blocks if needed."""
+        short = num_blocks - self.allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.num_free >= num_blocks
+
+    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's block table to hold `num_new_tokens` more tokens; False if memory is short."""
+        need = self.num_new_blocks_needed(seq, num_new_tokens)
+        if need == 0:
+            return True
+        if not self.ensure_free(need):
+            return False
+        seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    # ---- sharing computed blocks -------------------------------------------
+    def publish(self, seq: Sequence) -> None:
+        """Offer seq's newly computed full blocks to the prefix cache (also mid-prefill).
+
+        Requests arriving together then match what the first one computed
+        instead of computing the same prefix again.
+        """
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_published_blocks:
+            return
+        result = self.cache.insert(seq.token_ids[: num_full * self.block_size], seq.block_table[:num_full])
+        self.cache.lock(result.node)
+        self.cache.unlock(seq.cache_node)
+        seq.cache_node = result.node
+        seq.num_published_blocks = num_full
+
+    def release(self, seq: Sequence, *, keep_in_cache: bool = True) -> None:
+        """Return seq's blocks: computed full blocks stay in the tree, the rest go free."""
+        if seq.cache_node is None and not seq.block_table:
+            return
+        if keep_in_cache:
+            self.publish(seq)
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+        self.allocator.decref(seq.block_table)
+        seq.block_table = []
+        seq.cache_node = None
+        seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
+
+    # ---- checks ------------------------------------------------------------
+    def check_integrity(self, live: list[Sequence]) -> None:
+        refs = Counter(b for s in live for b in s.block_table)
+        self.allocator.check_integrity()
+        self.cache.check_integrity(dict(refs))

@@ -1,0 +1,344 @@
+"""The synchronous engine: requests in, one batched model step at a time, outputs out.
+
+`LLM` (offline) and `AsyncLLMEngine` (serving) both drive this class. It owns
+the scheduler, the block manager and the model runner; nothing lives in module
+globals, so several engines can share one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+
+from .block_manager import BlockManager
+from .config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from .detokenizer import IncrementalDetokenizer
+from .model_loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampler import make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every option of `LLM` and the server's engine, in one place."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    num_threads: int | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.device = _resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        if args.attention_backend == "triton":
+            raise ValueError("attention_backend='triton' is not available yet; use 'auto' or 'torch'")
+        t0 = time.perf_counter()
+        self.source = resolve_model(args.model)
+        self.hf_config = load_hf_config(self.source)
+        self.model_config = ModelConfig.from_hf(self.hf_config)
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = frozenset(eos_token_ids(self.source, self.model_config, self.tokenizer))
+        self.served_model_name = args.served_model_name or self.source.name
+
+        cache_cfg = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb, args.enable_prefix_caching)
+        max_len = args.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(
+            self.source, self.hf_config, self.model_config, cache_cfg, self.dtype, self.device, max_model_len=max_len
+        )
+        pool = self.runner.pool
+        if args.max_model_len is None:
+            max_len = min(max_len, pool.num_tokens)
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len), self.block_manager
+        )
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.num_prefill_tokens_computed = 0
+        self.num_generated_tokens = 0
+        self.load_seconds = time.perf_counter() - t0
+        logger.info(
+            "chatserve engine: %s (%s, %s) loaded in %.1fs; max_model_len=%d; KV pool %d blocks x %d = %d tokens",
+            self.served_model_name, self.model_config.architecture, self.dtype, self.load_seconds,
+            max_len, pool.num_blocks, pool.block_size, pool.num_tokens,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- requests ----------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
+
+    def validate_prompt_len(self, num_tokens: int) -> None:
+        if num_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt (at least one token must be left for the reply)"
+            )
+        needed = self.block_manager.blocks_for(num_tokens + 1)
+        if needed > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"the prompt needs {needed} KV blocks but the pool has only {self.block_manager.num_total_blocks}; "
+                "raise num_kv_blocks / kv_cache_memory_gb or shorten the prompt"
+            )
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt_len(len(ids))
+        req = Request(request_id, text, ids, params)
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=ids,
+                params=params,
+                arrival_order=next(self._arrivals),
+                generator=make_generator(None if params.seed is None else params.seed + i),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer,
+                    ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop or (),
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now with finish_reason 'abort'; idempotent. Returns its final output."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self.num_steps += 1
+        sampled, result = self.runner.execute(sched.scheduled)
+        for s in sched.scheduled:
+            is_decode = s.num_new_tokens == 1 and s.completes_prompt and s.seq.num_output_tokens > 0
+            if not is_decode:
+                self.num_prefill_tokens_computed += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.seq.num_computed_tokens // self.block_manager.block_size > s.seq.num_published_blocks:
+                self.block_manager.publish(s.seq)
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for i, s in enumerate(sampled):
+            seq = s.seq
+            token = result.token_ids[i]
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            lp = result.logprobs[i]
+            if seq.logprobs is not None and lp is not None:
+                seq.logprobs.append(self._logprob_entry(lp))
+                seq.cumulative_logprob += lp.logprob
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for req in touched.values():
+            out = self._make_output(req)
+            if out is not None:
+                outputs.append(out)
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _logprob_entry(self, lp: Any) -> dict[int, Logprob]:
+        entry = {tid: Logprob(val, rank=r + 1) for r, (tid, val) in enumerate(lp.top)}
+        entry[lp.token_id] = Logprob(lp.logprob, rank=lp.rank)
+        for tid, item in entry.items():
+            item.decoded_token = self.tokenizer.decode([tid])
+        return entry
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        update = seq.detokenizer.add_tokens([token])
+        n_out = seq.num_output_tokens
+        can_stop = n_out >= params.min_tokens
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif can_stop and params.stop_token_ids and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif can_stop and update.stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", update.stop_str
+            return  # the detokenizer already cut the text before the stop string
+        elif params.max_tokens is not None and n_out >= params.max_tokens:
+            seq.finish_reason = "length"
+        elif seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.detokenizer.flush()
+
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        kind = req.params.output_kind
+        finished = req.finished
+        if kind == "final_only" and not finished:
+            return None
+        outs = []
+        for seq in req.seqs:
+            text = seq.detokenizer.text
+            tokens = seq.output_token_ids
+            logprobs = seq.logprobs
+            if kind == "delta":
+                text_d, tokens_d = text[seq.sent_text_len :], tokens[seq.sent_token_len :]
+                logprobs_d = None if logprobs is None else logprobs[seq.sent_token_len :]
+                if not text_d and not tokens_d and not seq.is_finished:
+                    continue
+                seq.sent_text_len, seq.sent_token_len = len(text), len(tokens)
+                text, tokens, logprobs = text_d, tokens_d, logprobs_d
+            else:
+                tokens = list(tokens)
+                logprobs = None if logprobs is None else list(logprobs)
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=tokens,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=logprobs,
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                )
+            )
+        if not outs:
+            return None
+        first = req.seqs[0]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics={"arrival_time": req.arrival_time, "first_token_time": first.first_token_time or 0.0},
+        )
+
+    # ---- introspection -------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity([s for s in self.live_sequences() if s.block_table])
+
+    def stats(self) -> dict[str, Any]:
+        cache = self.block_manager.cache.stats()
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_total_blocks": cache.total,
+            "num_free_blocks": cache.free,
+            "num_cached_blocks": cache.evictable,
+            "num_locked_blocks": cache.locked,
+            "prefix_cache_queries_tokens": self.block_manager.prefix_query_tokens,
+            "prefix_cache_hits_tokens": self.block_manager.prefix_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+        }

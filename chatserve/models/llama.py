@@ -1,0 +1,195 @@
+"""One Llama-family forward pass over the paged KV cache.
+
+Llama/SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm) differ only
+by flags of `ModelConfig`. q/k/v and gate/up projections are merged into one
+matmul each at load time: fewer, larger matmuls are faster on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatserve.kernels import paged_decode_attention, paged_extend_attention, store_kv_cache
+
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from .rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32 and cast back before the weight, as transformers does (bit-exact in fp32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, batch.rope_cos, batch.rope_sin)
+        k = apply_rotary(k, batch.rope_cos, batch.rope_sin)
+        store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+
+        nd = batch.num_decodes
+        if batch.num_extends == 0:
+            out = paged_decode_attention(
+                q, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
+                token_slots=batch.decode_token_slots, mask=batch.decode_mask,
+            )
+        elif nd == 0:
+            out = paged_extend_attention(
+                q, k_cache, v_cache, batch.extend_block_tables, batch.extend_query_start_loc, batch.extend_seq_lens, self.scale
+            )
+        else:
+            out = torch.empty_like(q)
+            out[:nd] = paged_decode_attention(
+                q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
+                token_slots=batch.decode_token_slots, mask=batch.decode_mask,
+            )
+            out[nd:] = paged_extend_attention(
+                q[nd:], k_cache, v_cache, batch.extend_block_tables, batch.extend_query_start_loc, batch.extend_seq_lens, self.scale
+            )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# HF parameter name fragment -> (our merged parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Returns logits (float32) only at `batch.logits_indices`.
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        """
+        h = self.embed_tokens(batch.input_ids)
+        batch.rope_cos, batch.rope_sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, kv_cache[i, 0], kv_cache[i, 1])
+        h = h.index_select(0, batch.logits_indices)
+        h = self.norm(h)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        cfg = self.config
+        qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        for hf_name, tensor in weights:
+            if "rotary_emb" in hf_name:
+                continue
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still store a copy
+            shard = None
+            for frag, (merged, idx) in _STACKED.items():
+                if f".{frag}." in name:
+                    name = name.replace(frag, merged)
+                    shard = idx
+                    break
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint for {cfg.architecture}")
+            param = params[name]
+            with torch.no_grad():
+                if shard is None:
+                    _copy(param, tensor, hf_name)
+                    filled.add(name)
+                else:
+                    sizes = qkv_sizes if "qkv_proj" in name else [cfg.intermediate_size] * 2
+                    start = sum(sizes[:shard])
+                    _copy(param.narrow(0, start, sizes[shard]), tensor, hf_name)
+                    filled.add(f"{name}#{shard}")
+        missing = []
+        for name, param in params.items():
+            if "qkv_proj" in name or "gate_up_proj" in name:
+                n = 3 if "qkv_proj" in name else 2
+                missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in filled]
+            elif name not in filled:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,174 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``.
+
+Validation happens once, here, when the request is built, so a bad value becomes
+a 400 that names the offending field instead of a NaN or an index error deep
+inside a batched sampler step that also carries other users' requests.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+OutputKind = Literal["cumulative", "delta", "final_only"]
+
+# Bounds that OpenAI documents; vLLM uses the same ones.
+_MAX_LOGPROBS = 20
+_PENALTY_RANGE = 2.0
+# torch.Generator.manual_seed accepts any value that fits in 64 bits, signed or not.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _check_int(name: str, value: object, *, optional: bool = False) -> None:
+    """Reject non-ints, including bools: ``max_tokens=True`` is a client bug, not 1."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        want = "an int or None" if optional else "an int"
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+def _as_float(name: str, value: object) -> float:
+    """Accept ints and floats (JSON ``1`` is a valid temperature) but not bools, strings or NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return result
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request; see the module docstring for why it validates eagerly.
+
+    After ``__post_init__``: ``stop`` is a ``list[str]``, ``stop_token_ids`` a
+    ``list[int]``, ``top_k`` is 0 when disabled (``-1`` is accepted as vLLM's
+    spelling of "disabled"), and float fields are Python floats.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: OutputKind = "cumulative"
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+        _check_int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            if not -_PENALTY_RANGE <= value <= _PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-{_PENALTY_RANGE}, {_PENALTY_RANGE}], got {value}")
+            setattr(self, name, value)
+
+        _check_int("seed", self.seed, optional=True)
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        _check_int("max_tokens", self.max_tokens, optional=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(
+                f"max_tokens must be >= 1 or None (generate until the context is full), got {self.max_tokens}"
+            )
+
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}"
+            )
+
+        _check_int("logprobs", self.logprobs, optional=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs}")
+
+        if self.output_kind not in get_args(OutputKind):
+            raise ValueError(f"output_kind must be one of {get_args(OutputKind)}, got {self.output_kind!r}")
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        """One list shape for the detokenizer; an empty stop string would match everywhere, so reject it."""
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        for item in items:
+            if not isinstance(item, str):
+                raise ValueError(f"stop must contain only strings, got {item!r}")
+            if not item:
+                raise ValueError("stop must not contain empty strings (they would match at every position)")
+        return list(items)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must contain only non-negative ints, got {token_id!r}")
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy rows take the batched argmax path and never consume random numbers."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must look at the request's token history at all."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so per-request edits (e.g. capping max_tokens) never leak into shared defaults."""
+        return copy.deepcopy(self)

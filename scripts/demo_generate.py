@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")  # no weight-conversion progress bar in the demo
 
 
 def chat_prompt_ids(tokenizer: Any, question: str, system: str | None) -> list[int]:

@@ -1,0 +1,120 @@
+"""Shared fixtures: the default model (ours and transformers'), and tiny random checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    from chatserve.model_loader import default_model_path
+
+    return Path(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """Our engine on the default model in float32 (for exactness against transformers)."""
+    from chatserve import LLM
+
+    return LLM(dtype="float32", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_gguf):
+    """transformers' own model and tokenizer from the same GGUF file, float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(hf_default):
+    return hf_default[1]
+
+
+TINY_ARCHS = {
+    # name: (config class name, extra config kwargs)
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": False,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
+}
+
+
+def write_tiny_checkpoint(folder: Path, arch: str, tokenizer, *, shard: bool = False) -> Path:
+    """A random model with the real SmolLM2 tokenizer, saved by transformers itself."""
+    import transformers
+
+    cls_name, extra = TINY_ARCHS[arch]
+    config_cls = getattr(transformers, cls_name)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        initializer_range=0.2,
+        **extra,
+    )
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # make the QKV biases non-trivial so the test sees them
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    if arch == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    kwargs = {"max_shard_size": "1MB"} if shard else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, smollm_tokenizer):
+    """Factory: arch name -> folder with a tiny random checkpoint (cached per session)."""
+    made: dict[tuple[str, bool], Path] = {}
+
+    def make(arch: str, shard: bool = False) -> Path:
+        key = (arch, shard)
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}{'-sharded' if shard else ''}")
+            made[key] = write_tiny_checkpoint(folder, arch, smollm_tokenizer, shard=shard)
+        return made[key]
+
+    return make

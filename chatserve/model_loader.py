@@ -141,18 +141,7 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, t
 
 
 def _iter_gguf(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """De-quantise with transformers, which also maps GGUF names and un-permutes q/k."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """Stream de-quantised tensors straight from the mmap'd file (same names and values as transformers)."""
+    from .gguf_weights import iter_gguf_weights
 
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)  # names only, no memory
-    parsed = load_gguf_checkpoint(
-        os.path.join(source.folder, source.gguf_file),
-        return_tensors=True,
-        model_to_load=skeleton,
-        torch_dtype=dtype,
-    )
-    tensors = parsed["tensors"]
-    for name in list(tensors):
-        yield name, tensors.pop(name)
+    yield from iter_gguf_weights(os.path.join(source.folder, source.gguf_file), hf_config, dtype)

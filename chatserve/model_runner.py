@@ -12,6 +12,8 @@ from .config import CacheConfig, ModelConfig
 from .forward_batch import build_forward_batch
 from .model_loader import ModelSource, iter_weights
 from .models import model_class_for
+from .models.rope import RotaryEmbedding
+from .models.cpu_linear import packed_linear_available
 from .sampler import Sampler, SampleResult
 from .scheduler import ScheduledSeq
 
@@ -69,12 +71,18 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         t0 = time.perf_counter()
         model_cls = model_class_for(model_config)
-        with torch.device(device):
+        # NOTE: built on the meta device and materialised uninitialised: no time or
+        # memory is spent on a random init that load_weights overwrites (it checks
+        # that every parameter is filled).
+        with torch.device("meta"):
             model = model_cls(model_config, max_positions=max_model_len)
-        model.to(dtype)
-        model.rotary.float()  # keep cos/sin tables exact; cast per forward
+        model = model.to(dtype).to_empty(device=device)
+        model.rotary = RotaryEmbedding(model_config.hf_config, model_config.head_dim, max_model_len).to(device)
         model.load_weights(iter_weights(source, hf_config, dtype))
         self.model = model.eval()
+        self.packed_linears = packed_linear_available(dtype, device)
+        if self.packed_linears:
+            self.model.pack_for_cpu()
         self.load_seconds = time.perf_counter() - t0
 
         self.pool = plan_kv_pool(model_config, cache_config, dtype)

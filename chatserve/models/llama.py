@@ -17,6 +17,7 @@ from chatserve.kernels import paged_decode_attention, paged_extend_attention, st
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from .cpu_linear import PackedLinear, pack_linears
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -30,6 +31,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype != torch.float32:
+            # one fused op; differs from the formula below by at most one bf16 ulp
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -55,15 +59,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, batch.rope_cos, batch.rope_sin)
-        k = apply_rotary(k, batch.rope_cos, batch.rope_sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k rotate together: one set of elementwise ops instead of two
+        qk = apply_rotary(qk, batch.rope_cos, batch.rope_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
 
         nd = batch.num_decodes
@@ -132,6 +136,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
+        self.packed_lm_head: PackedLinear | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -145,8 +150,18 @@ class LlamaFamilyForCausalLM(nn.Module):
             h = layer(h, batch, kv_cache[i, 0], kv_cache[i, 1])
         h = h.index_select(0, batch.logits_indices)
         h = self.norm(h)
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(h).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Switch every matmul (lm_head included, also when tied) to oneDNN-packed bf16 weights."""
+        pack_linears(self.layers)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = PackedLinear(weight, None)
+        if self.lm_head is not None:
+            self.lm_head = None  # the packed copy replaces it
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled."""

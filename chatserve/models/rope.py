@@ -33,10 +33,11 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        with torch.device("cpu"):  # real numbers even when the model is built on the meta device
+            inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
+            pos = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 

@@ -1,0 +1,262 @@
+"""Stream HF-named tensors out of a GGUF file, one tensor at a time.
+
+A drop-in for transformers' ``load_gguf_checkpoint(..., return_tensors=True)``
+with the same names and values, minus its costs: we parse only the header
+(skipping the tokenizer's string arrays without building numpy objects), build
+the GGUF -> HF name map once from the names we expect, and memory-map the data
+so peak memory is one de-quantised tensor on top of the model.
+
+De-quantisation is ``gguf.dequantize`` (what transformers uses) and llama-arch
+q/k weights are un-permuted the way transformers' ``LlamaTensorProcessor`` does,
+so the values are bit-identical to transformers'.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types -> struct format of one scalar.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+# GGUF architectures we map, and whether transformers un-permutes their q/k (llama.cpp permutes
+# q/k rows of llama-arch models for its rotary layout; qwen2/qwen3 are stored as in HF).
+SUPPORTED_ARCHS = {"llama": True, "qwen2": False, "qwen3": False}
+
+
+class GGUFArray(NamedTuple):
+    """A metadata array left in the file: we record where it is, not its elements."""
+
+    elem_type: int
+    count: int
+    offset: int
+
+
+class GGUFTensorInfo(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # numpy order (slowest-varying first), i.e. GGUF dims reversed
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    version: int
+    metadata: dict[str, Any]  # scalars and strings decoded; arrays as GGUFArray
+    tensors: tuple[GGUFTensorInfo, ...]
+    data_offset: int
+
+
+class _Cursor:
+    """Sequential little-endian reads over a buffer."""
+
+    def __init__(self, buf: Any, offset: int = 0) -> None:
+        self.buf = buf
+        self.pos = offset
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        start = self.pos
+        self.pos += n
+        return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        buf, pos, unpack_from = self.buf, self.pos, struct.unpack_from
+        for _ in range(count):
+            pos += 8 + unpack_from("<Q", buf, pos)[0]
+        self.pos = pos
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            elem_type, count = self.unpack("<I"), self.unpack("<Q")
+            arr = GGUFArray(elem_type, count, self.pos)
+            self.skip_array(elem_type, count)
+            return arr
+        fmt = _SCALAR_FORMATS.get(vtype)
+        if fmt is None:
+            raise ValueError(f"corrupt GGUF: unknown metadata value type {vtype} at byte {self.pos}")
+        return self.unpack(fmt)
+
+    def skip_array(self, elem_type: int, count: int) -> None:
+        if elem_type == _STRING:
+            self.skip_strings(count)
+        elif elem_type == _ARRAY:
+            for _ in range(count):
+                self.skip_array(self.unpack("<I"), self.unpack("<Q"))
+        elif elem_type in _SCALAR_FORMATS:
+            self.pos += count * struct.calcsize(_SCALAR_FORMATS[elem_type])
+        else:
+            raise ValueError(f"corrupt GGUF: unknown array element type {elem_type} at byte {self.pos}")
+
+
+def read_gguf_header(buf: Any) -> GGUFHeader:
+    """Parse magic, metadata and tensor infos from a buffer holding a GGUF file (e.g. an mmap)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ValueError(f"not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})")
+    cur = _Cursor(buf, 4)
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}; only v2 and v3 are readable")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("<I"))
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("<I")
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, cur.pos)
+        cur.pos += 8 * n_dims
+        raw_infos.append((name, dims, cur.unpack("<I"), cur.unpack("<Q")))
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_offset = -(-cur.pos // alignment) * alignment
+    tensors = []
+    for name, dims, ggml_type, rel_offset in raw_infos:
+        try:
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, unknown to the installed gguf package") from None
+        n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        tensors.append(
+            GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_offset + rel_offset, n_elems * type_size // block_size)
+        )
+    return GGUFHeader(version, metadata, tuple(tensors), data_offset)
+
+
+def _raw_array(buf: Any, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor's bytes as ``GGUFReader`` exposes them: typed for plain types, uint8 rows for quantised."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quant_shape_to_byte_shape
+
+    plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16, T.I32: np.int32, T.I64: np.int64}
+    qtype = T(info.ggml_type)
+    if qtype in plain:
+        dtype = np.dtype(plain[qtype])
+        return np.frombuffer(buf, dtype=dtype, count=info.n_bytes // dtype.itemsize, offset=info.offset).reshape(info.shape)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+    return raw.reshape(quant_shape_to_byte_shape(info.shape, qtype))
+
+
+def _expected_hf_names(hf_config: Any, n_layers: int) -> list[str]:
+    """HF parameter names (without .weight/.bias) of a llama / qwen2 / qwen3 causal LM."""
+    names = ["model.embed_tokens", "model.norm", "lm_head"]
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        names += [f"{p}.self_attn.{x}_proj" for x in "qkvo"]
+        names += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
+        names += [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")]
+        names += [f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
+    return names
+
+
+def _has_bias(hf_name: str, hf_config: Any, gguf_arch: str) -> bool:
+    """Whether the HF model has a bias for this layer (transformers drops GGUF tensors it has no slot for)."""
+    model_type = getattr(hf_config, "model_type", gguf_arch)
+    if ".self_attn." in hf_name and hf_name.endswith("_proj"):
+        if model_type == "qwen2" and not hf_name.endswith("o_proj"):
+            return True
+        return bool(getattr(hf_config, "attention_bias", False))
+    if ".mlp." in hf_name:
+        return bool(getattr(hf_config, "mlp_bias", False))
+    return False
+
+
+def gguf_to_hf_names(gguf_arch: str, hf_config: Any, n_layers: int) -> dict[str, str]:
+    """``{gguf tensor name: HF parameter name}``, built once with gguf's own name table."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == gguf_arch), None)
+    if arch is None:
+        raise ValueError(f"the installed gguf package does not know architecture {gguf_arch!r}; upgrade it (`pip install -U gguf`)")
+    table = get_tensor_name_map(arch, n_layers)
+    is_qwen3 = gguf_arch == "qwen3" or getattr(hf_config, "model_type", "") == "qwen3"
+    mapping: dict[str, str] = {}
+    for hf_base in _expected_hf_names(hf_config, n_layers):
+        if not is_qwen3 and hf_base.endswith(("q_norm", "k_norm")):
+            continue  # only Qwen3 has q/k norms; transformers skips them elsewhere
+        gguf_base = table.get_name(hf_base)
+        if gguf_base is None:
+            continue
+        mapping[f"{gguf_base}.weight"] = f"{hf_base}.weight"
+        if _has_bias(hf_base, hf_config, gguf_arch):
+            mapping[f"{gguf_base}.bias"] = f"{hf_base}.bias"
+    return mapping
+
+
+def _unpermute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (same as transformers' ``LlamaTensorProcessor``)."""
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def iter_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(HF parameter name, tensor in dtype)`` for every mapped tensor of a GGUF file, in file order.
+
+    Names and values equal transformers' ``load_gguf_checkpoint(return_tensors=True)``; tensors
+    without an HF counterpart (e.g. ``rope_freqs``) are skipped, as transformers does.
+    """
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        yield from _iter_tensors(path, buf, hf_config, dtype)
+    finally:
+        try:
+            buf.close()
+        except BufferError:  # a caller still holds a view; the mmap closes when it is collected
+            pass
+
+
+def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGMLQuantizationType, dequantize
+
+    header = read_gguf_header(buf)
+    md = header.metadata
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHS)}); "
+            "convert the model to a Hugging Face safetensors folder and pass that folder instead."
+        )
+    n_layers = int(md.get(f"{arch}.block_count", getattr(hf_config, "num_hidden_layers", 0)))
+    names = gguf_to_hf_names(arch, hf_config, n_layers)
+    # NOTE: like transformers, head counts come from the GGUF metadata, and without both no un-permute happens.
+    n_head, n_kv_head = md.get(f"{arch}.attention.head_count"), md.get(f"{arch}.attention.head_count_kv")
+    unpermute = SUPPORTED_ARCHS[arch] and n_head is not None and n_kv_head is not None
+
+    for info in header.tensors:
+        hf_name = names.get(info.name)
+        if hf_name is None:
+            continue
+        weights = dequantize(_raw_array(buf, info), GGMLQuantizationType(info.ggml_type))
+        if unpermute and ".attn_q." in info.name:
+            weights = _unpermute_qk(weights, int(n_head))
+        elif unpermute and ".attn_k." in info.name:
+            weights = _unpermute_qk(weights, int(n_kv_head))
+        if not weights.flags.writeable:  # still a view of the read-only mmap
+            weights = np.copy(weights)
+        tensor = torch.from_numpy(weights).to(dtype)
+        del weights
+        yield hf_name, tensor
+        del tensor

@@ -20,6 +20,7 @@ class BlockManager:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size)
+        self.cache_enabled = enable_prefix_caching
         # counters for metrics
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -49,9 +50,12 @@ class BlockManager:
         seq.block_table = list(match.block_ids)
         seq.num_computed_tokens = match.num_tokens
         seq.num_published_blocks = len(match.block_ids)
-        self.prefix_query_tokens += len(seq.token_ids) - 1
-        self.prefix_hit_tokens += match.num_tokens
         return match.num_tokens
+
+    def record_admission(self, seq: Sequence, num_cached: int) -> None:
+        """Count a prefix-cache query once per admitted (not deferred) sequence."""
+        self.prefix_query_tokens += len(seq.token_ids) - 1
+        self.prefix_hit_tokens += num_cached
 
     def ensure_free(self, num_blocks: int) -> bool:
         """Make `num_blocks` free, evicting unlocked cached blocks if needed."""

@@ -109,8 +109,10 @@ class LLMEngine:
             self.source, self.hf_config, self.model_config, cache_cfg, self.dtype, self.device, max_model_len=max_len
         )
         pool = self.runner.pool
-        if args.max_model_len is None:
-            max_len = min(max_len, pool.num_tokens)
+        self.max_model_len_note = ""
+        if args.max_model_len is None and pool.num_tokens < max_len:
+            max_len = pool.num_tokens
+            self.max_model_len_note = f" (limited by the KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens)"
         self.max_model_len = max_len
         self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -155,7 +157,7 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if num_tokens >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}: "
+                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}{self.max_model_len_note}: "
                 "shorten the prompt (at least one token must be left for the reply)"
             )
         needed = self.block_manager.blocks_for(num_tokens + 1)
@@ -337,6 +339,7 @@ class LLMEngine:
             "num_locked_blocks": cache.locked,
             "prefix_cache_queries_tokens": self.block_manager.prefix_query_tokens,
             "prefix_cache_hits_tokens": self.block_manager.prefix_hit_tokens,
+            "prefix_cache_evicted_blocks": self.block_manager.cache.num_evicted_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,

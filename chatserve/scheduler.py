@@ -87,22 +87,44 @@ class Scheduler:
             i += 1
 
         # 2. admit waiting sequences (none while we are preempting: memory is short)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             cached = self.blocks.match_and_lock(seq)
+            if self._prefix_in_flight(seq, cached):
+                # NOTE: a running sequence is computing the next block of this prompt right now;
+                # wait for it to be published instead of computing the same prefix twice.
+                self.blocks.release(seq, keep_in_cache=False)
+                deferred.append(seq)
+                continue
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq, keep_in_cache=False)
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
+            self.blocks.record_admission(seq, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(seq.seq_id)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+        """Is another running sequence about to compute the block that follows seq's cached prefix?"""
+        if not self.blocks.cache_enabled:
+            return False
+        end = num_cached + self.blocks.block_size
+        if end > seq.num_tokens - 1:
+            return False  # no full uncached block to share
+        head = seq.token_ids[:end]
+        for other in self.running:
+            if other.num_computed_tokens <= num_cached and other.num_tokens > end and other.token_ids[:end] == head:
+                return True
+        return False
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence | None:
         """The newest running sequence (the one that has waited least) gives way."""

@@ -482,7 +482,9 @@ def test_delta_outputs_concatenate_to_cumulative(tiny_llm):
     finish: dict[int, str | None] = {}
     for out in seen["delta-req"]:
         for o in out.outputs:
-            assert o.index not in finish, "no delta after a sequence finished"
+            if o.index in finish:  # see test_delta_finished_sequence_is_reported_once
+                assert not o.text and not o.token_ids and o.finish_reason == finish[o.index]
+                continue
             assert o.text or o.token_ids or o.finished
             text[o.index] += o.text
             tokens[o.index] += o.token_ids
@@ -496,6 +498,25 @@ def test_delta_outputs_concatenate_to_cumulative(tiny_llm):
         assert [sorted(e) for e in logprobs[i]] == [sorted(e) for e in finals[i].logprobs]
         assert finish[i] == finals[i].finish_reason == "length"
     assert_engine_idle(tiny_llm)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine._make_output (delta) re-emits an already finished sequence (empty text, same "
+    "finish_reason) on every later step of its request, so a client sees two finishes for one choice",
+)
+def test_delta_finished_sequence_is_reported_once(tiny_llm):
+    engine = tiny_llm.engine
+    prompt = {"prompt_token_ids": list(range(3000, 3015))}
+    base = dict(n=2, temperature=1.0, seed=23, max_tokens=10, ignore_eos=True)
+    ref = tiny_llm.generate(prompt, SamplingParams(**base))[0].outputs
+    # A stop token that ends sibling 0 early while sibling 1 runs on (seeded: the same tokens again).
+    stop_id = ref[0].token_ids[2]
+    assert stop_id not in ref[1].token_ids, "pick another seed"
+    engine.add_request("delta-once", prompt, SamplingParams(output_kind="delta", stop_token_ids=[stop_id], **base))
+    outs = drive(engine)["delta-once"]
+    finishes = [o.index for out in outs for o in out.outputs if o.finished]
+    assert sorted(finishes) == [0, 1]
 
 
 def test_delta_stream_of_chinese_never_splits_a_character(llm_fp32):

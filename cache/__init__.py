@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .allocator import BlockAllocator, OutOfBlocksError, RefCountError
-from .prefix_cache import CacheStats, InsertResult, MatchResult, NoPrefixCache, PrefixCache
+from .prefix_cache import CacheStats, InsertResult, MatchResult, NoPrefixCache, PartialMatch, PrefixCache
 from .radix_tree import RadixPrefixCache
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "RadixPrefixCache",
     "NoPrefixCache",
     "MatchResult",
+    "PartialMatch",
     "InsertResult",
     "CacheStats",
     "make_prefix_cache",

@@ -9,6 +9,10 @@ engine uses it:
   ``m.block_ids`` and only ``prompt[m.num_tokens:]`` is prefilled. If
   ``allocator.num_free`` is too low for the rest, call ``cache.evict(k)``
   (after locking, so the matched blocks cannot be evicted) and check its result.
+* partial block (optional, copy-on-write): ``p = cache.match_partial(prompt[:-1], m)``;
+  if not None, ``allocator.incref(p.block_id)``, copy its first ``p.num_tokens``
+  tokens' KV into a fresh private block, then ``allocator.decref(p.block_id)``.
+  Between the two the source is pinned, not locked (see ``check_integrity``).
 * publish (optional, mid-prefill): ``r = cache.insert(tokens[:n*bs], table[:n]);
   cache.lock(r.node); cache.unlock(old_node)``.
 * finish/abort: ``r = cache.insert(...)`` of the computed full blocks,
@@ -27,7 +31,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 from .allocator import BlockAllocator
 
-__all__ = ["MatchResult", "InsertResult", "CacheStats", "PrefixCache", "NoPrefixCache"]
+__all__ = ["MatchResult", "PartialMatch", "InsertResult", "CacheStats", "PrefixCache", "NoPrefixCache"]
 
 
 class MatchResult(NamedTuple):
@@ -37,6 +41,19 @@ class MatchResult(NamedTuple):
     """Always a multiple of ``block_size``."""
     node: object
     """Handle to lock/unlock: the deepest matched node (the root if nothing matched)."""
+
+
+class PartialMatch(NamedTuple):
+    """A cached block whose first ``num_tokens`` tokens continue a whole-block match.
+
+    Its KV for those tokens depends only on the matched prefix plus these
+    tokens (attention is causal), so a request may copy them into a private
+    block of its own (copy-on-write) instead of recomputing them."""
+
+    block_id: int
+    """The tree block to copy from (not incref'd)."""
+    num_tokens: int
+    """How many leading tokens of that block match: ``1 <= num_tokens < block_size``."""
 
 
 class InsertResult(NamedTuple):
@@ -78,6 +95,16 @@ class PrefixCache(ABC):
         which changes nothing observable)."""
 
     @abstractmethod
+    def match_partial(self, token_ids: Sequence[int], match: MatchResult) -> PartialMatch | None:
+        """The cached block right after ``match`` (which ``match_prefix(token_ids...)``
+        returned) that shares the most leading tokens with
+        ``token_ids[match.num_tokens:]``, or None if none shares even one.
+        Looks only at that one block position (children of one node, never the
+        whole tree); no side effect but an LRU refresh. Caller's contract: to
+        use it, incref ``block_id`` until the copy is done (the tree may
+        otherwise evict it)."""
+
+    @abstractmethod
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
         """Cache ``token_ids`` truncated to whole blocks; ``block_ids[i]`` holds
         tokens ``[i*bs, (i+1)*bs)`` (extra trailing ids are ignored). The tree
@@ -102,10 +129,15 @@ class PrefixCache(ABC):
         """Block counts, O(1)."""
 
     @abstractmethod
-    def check_integrity(self, external_refs: Mapping[int, int] | None = None) -> None:
+    def check_integrity(
+        self, external_refs: Mapping[int, int] | None = None, pinned_refs: Mapping[int, int] | None = None
+    ) -> None:
         """Raise AssertionError if any invariant is broken. ``external_refs``:
         block id -> number of running requests whose block tables hold it;
-        when given, every block's ref count is checked exactly."""
+        when given, every block's ref count is checked exactly. ``pinned_refs``:
+        block id -> extra references taken only for a short while (the source
+        of a pending copy-on-write of a partially matching block); they count
+        in the ref counts but need no lock."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -134,6 +166,9 @@ class NoPrefixCache(PrefixCache):
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         return MatchResult([], 0, self._root)
 
+    def match_partial(self, token_ids: Sequence[int], match: MatchResult) -> PartialMatch | None:
+        return None
+
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
         n = len(token_ids) // self.block_size
         if len(block_ids) < n:
@@ -155,9 +190,12 @@ class NoPrefixCache(PrefixCache):
         a = self.allocator
         return CacheStats(total=a.num_total, free=a.num_free, evictable=0, locked=0)
 
-    def check_integrity(self, external_refs: Mapping[int, int] | None = None) -> None:
+    def check_integrity(
+        self, external_refs: Mapping[int, int] | None = None, pinned_refs: Mapping[int, int] | None = None
+    ) -> None:
         a = self.allocator
         a.check_integrity()
+        assert not pinned_refs, f"blocks {sorted(pinned_refs or ())} are pinned but nothing is cached to copy from"
         if external_refs is None:
             return
         for b in range(a.num_total):

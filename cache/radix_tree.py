@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from .allocator import BlockAllocator, RefCountError
 from .lru_index import LRUIndex
-from .prefix_cache import CacheStats, InsertResult, MatchResult, PrefixCache
+from .prefix_cache import CacheStats, InsertResult, MatchResult, PartialMatch, PrefixCache
 
 __all__ = ["RadixNode", "RadixPrefixCache"]
 
@@ -72,6 +72,43 @@ class RadixPrefixCache(PrefixCache):
         node, block_ids = self._walk(tuple(token_ids[: n * self.block_size]))
         self._touch(node)
         return MatchResult(block_ids, len(block_ids) * self.block_size, node)
+
+    def match_partial(self, token_ids: Sequence[int], match: MatchResult) -> PartialMatch | None:
+        bs = self.block_size
+        start = match.num_tokens
+        rest = tuple(token_ids[start : start + bs - 1])  # NOTE: k < bs: a full block is match_prefix's job
+        if not rest:
+            return None
+        node = self._as_node(match.node)
+        end = self._depth(node)
+        if end is None:
+            return None  # the node left the tree (evicted since the match)
+        candidates: list[tuple[tuple[int, ...], int, RadixNode]] = []
+        if end == start:
+            # the match ends at the node's end: the next block is some child's first one
+            candidates = [(first, child.block_ids[0], child) for first, child in node.children.items()]
+        elif end - len(node.key) <= start < end and (start - (end - len(node.key))) % bs == 0:
+            # the match ends inside the node's edge (at a block boundary): its next block
+            off = start - (end - len(node.key))
+            candidates = [(node.key[off : off + bs], node.block_ids[off // bs], node)]
+        best: tuple[int, int, RadixNode] | None = None
+        for first, block_id, owner in candidates:
+            k = _common_prefix_len(first, rest)
+            if k and (best is None or k > best[0] or (k == best[0] and owner.last_access > best[2].last_access)):
+                best = (k, block_id, owner)
+        if best is None:
+            return None
+        self._touch(best[2])
+        return PartialMatch(best[1], best[0])
+
+    def _depth(self, node: RadixNode) -> int | None:
+        """Tokens from the root to the end of ``node``'s edge (None if detached)."""
+        depth = 0
+        n: RadixNode | None = node
+        while n is not None and n is not self._root:
+            depth += len(n.key)
+            n = n.parent
+        return depth if n is self._root else None
 
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
         bs = self.block_size
@@ -242,7 +279,9 @@ class RadixPrefixCache(PrefixCache):
         locked = self._num_locked_blocks
         return CacheStats(a.num_total, a.num_free, len(self._tree_blocks) - locked, locked)
 
-    def check_integrity(self, external_refs: Mapping[int, int] | None = None) -> None:
+    def check_integrity(
+        self, external_refs: Mapping[int, int] | None = None, pinned_refs: Mapping[int, int] | None = None
+    ) -> None:
         """Walk the whole tree (tests only) and assert every invariant.
 
         With ``external_refs`` it also asserts the engine's side of the
@@ -284,14 +323,21 @@ class RadixPrefixCache(PrefixCache):
         assert set(self._evictable) == leaves, "evictable-leaf index does not match the tree"
         for leaf in leaves:
             assert self._evictable.priority(leaf) == leaf.last_access, f"{leaf!r}: stale LRU priority"
+        pinned = pinned_refs or {}
+        for b, n in pinned.items():
+            # NOTE: a pinned block is the source of a pending copy: it must still be cached
+            assert n >= 0 and (n == 0 or b in tree_blocks), f"pinned block {b} is not in the tree"
         for b in range(a.num_total):
             in_tree = b in tree_blocks
             rc = a.ref_count(b)
             if external_refs is None:
-                assert not in_tree or rc >= 1, f"tree block {b} has ref count {rc}"
+                assert not in_tree or rc >= 1 + pinned.get(b, 0), f"tree block {b} has ref count {rc}"
                 continue
             ext = external_refs.get(b, 0)
-            assert rc == ext + in_tree, f"block {b}: ref count {rc} != {ext} request(s) + {int(in_tree)} tree"
+            pin = pinned.get(b, 0)
+            assert rc == ext + pin + in_tree, (
+                f"block {b}: ref count {rc} != {ext} request(s) + {pin} pending copies + {int(in_tree)} tree"
+            )
             if in_tree:
                 assert ext == 0 or b in locked_blocks, f"tree block {b} is held by a request but not locked"
             else:
@@ -307,3 +353,12 @@ class RadixPrefixCache(PrefixCache):
                 lines.append(f"{'  ' * depth}{list(node.key)} {node!r}")
             stack.extend((c, depth + 1) for c in node.children.values())
         return "\n".join(lines)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k

@@ -9,10 +9,19 @@ table; blocks the tree also holds stay alive for the next request.
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
-from chatserve.cache import BlockAllocator, PrefixCache, make_prefix_cache
+from chatserve.cache import BlockAllocator, MatchResult, PrefixCache, make_prefix_cache
 
 from .sequence import Sequence
+
+
+class BlockCopy(NamedTuple):
+    """Copy the KV of the first ``num_tokens`` slots of block ``src`` into block ``dst``."""
+
+    src: int
+    dst: int
+    num_tokens: int
 
 
 class BlockManager:
@@ -21,6 +30,10 @@ class BlockManager:
         self.allocator = BlockAllocator(num_blocks)
         self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size)
         self.cache_enabled = enable_prefix_caching
+        # seq_id -> copy-on-write of a partially matching cached block, not yet done.
+        # NOTE: each holds one reference on its src (so eviction cannot free it
+        # before the model runner copies it); dst is the last block of the seq's table.
+        self._pending_copies: dict[int, BlockCopy] = {}
         # counters for metrics
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -40,7 +53,9 @@ class BlockManager:
     def match_and_lock(self, seq: Sequence) -> int:
         """Reuse the longest cached prefix of seq's tokens, always leaving the last token to compute.
 
-        Returns the number of tokens served from the cache.
+        Returns the number of tokens served from the cache: whole shared blocks,
+        plus the k leading tokens of a partially matching cached block that will be
+        copied into seq's next (private) block before the next forward pass.
         """
         assert not seq.block_table and seq.cache_node is None
         match = self.cache.match_prefix(seq.token_ids[:-1])
@@ -50,7 +65,41 @@ class BlockManager:
         seq.block_table = list(match.block_ids)
         seq.num_computed_tokens = match.num_tokens
         seq.num_published_blocks = len(match.block_ids)
-        return match.num_tokens
+        return match.num_tokens + self._reuse_partial_block(seq, match)
+
+    def _reuse_partial_block(self, seq: Sequence, match: MatchResult) -> int:
+        """Copy-on-write: start seq's next block as a copy of the cached block that
+        shares its first k tokens with seq's, so those k tokens need no prefill.
+        Returns k (0 when nothing matches or no block is free)."""
+        # NOTE: matched against tokens[:-1], so the last prompt token is always computed.
+        partial = self.cache.match_partial(seq.token_ids[:-1], match)
+        if partial is None:
+            return 0
+        src, k = partial
+        self.allocator.incref([src])  # before evicting: the source must survive until copied
+        if not self.ensure_free(1):
+            self.allocator.decref([src])
+            return 0
+        dst = self.allocator.allocate(1)[0]
+        self._pending_copies[seq.seq_id] = BlockCopy(src, dst, k)
+        seq.block_table.append(dst)
+        seq.num_computed_tokens += k
+        return k
+
+    def take_pending_copies(self) -> list[BlockCopy]:
+        """The block copies the model runner must do before the next forward pass.
+
+        The caller owns the sources' references from now on: call
+        ``finish_copies`` once the copies are done.
+        """
+        copies = list(self._pending_copies.values())
+        self._pending_copies.clear()
+        return copies
+
+    def finish_copies(self, copies: list[BlockCopy]) -> None:
+        """Drop the references that kept the copies' sources alive."""
+        if copies:
+            self.allocator.decref([c.src for c in copies])
 
     def record_admission(self, seq: Sequence, num_cached: int) -> None:
         """Count a prefix-cache query once per admitted (not deferred) sequence."""
@@ -97,6 +146,10 @@ class BlockManager:
         """Return seq's blocks: computed full blocks stay in the tree, the rest go free."""
         if seq.cache_node is None and not seq.block_table:
             return
+        copy = self._pending_copies.pop(seq.seq_id, None)
+        if copy is not None:
+            # never copied: drop the source's pin; dst goes free with the table below
+            self.allocator.decref([copy.src])
         if keep_in_cache:
             self.publish(seq)
         if seq.cache_node is not None:
@@ -110,5 +163,10 @@ class BlockManager:
     # ---- checks ------------------------------------------------------------
     def check_integrity(self, live: list[Sequence]) -> None:
         refs = Counter(b for s in live for b in s.block_table)
+        pinned = Counter(c.src for c in self._pending_copies.values())
+        live_ids = {s.seq_id for s in live}
+        for seq_id, c in self._pending_copies.items():
+            assert seq_id in live_ids, f"pending copy {c} belongs to sequence {seq_id}, which holds no blocks"
+            assert refs[c.dst] == 1, f"pending copy {c}: dst is not private to one sequence"
         self.allocator.check_integrity()
-        self.cache.check_integrity(dict(refs))
+        self.cache.check_integrity(dict(refs), pinned_refs=dict(pinned))

@@ -217,7 +217,11 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self.num_steps += 1
-        sampled, result = self.runner.execute(sched.scheduled)
+        copies = self.block_manager.take_pending_copies()
+        try:
+            sampled, result = self.runner.execute(sched.scheduled, copies=copies)
+        finally:
+            self.block_manager.finish_copies(copies)
         for s in sched.scheduled:
             is_decode = s.num_new_tokens == 1 and s.completes_prompt and s.seq.num_output_tokens > 0
             if not is_decode:

@@ -2,14 +2,39 @@
 
 Sequences are ordered decodes first, then extends (prefill chunks, possibly
 over a cached prefix). Tensors derived from the block tables (token slots,
-padding masks, rotary cos/sin) are computed here once and shared by every layer.
+padding masks, cascade groups, rotary cos/sin) are computed here once and
+shared by every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
+
+# Sequences sharing at least this many cached blocks attend to them as one group.
+MIN_CASCADE_BLOCKS = 4
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences sharing `prefix_slots`; each attends to its own suffix too."""
+
+    rows: torch.Tensor  # [G] indices among the decode sequences
+    prefix_slots: torch.Tensor  # [P]
+    suffix_slots: torch.Tensor  # [G, Ls]
+    suffix_mask: torch.Tensor | None  # [G, 1, 1, Ls] or None when all suffixes are Ls long
+
+
+@dataclass
+class ExtendGroup:
+    """Prefill chunks whose cached prefixes share `prefix_slots`."""
+
+    token_rows: torch.Tensor  # [Tg] indices among the extend tokens
+    prefix_slots: torch.Tensor  # [P]
+    query_lens: list[int]
+    suffix_slots: list[torch.Tensor]  # per sequence, positions [P, seq_len)
 
 
 @dataclass
@@ -20,15 +45,19 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] rows of the hidden states that need logits
     # decode part: the first `num_decodes` tokens, one per sequence
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks]
-    decode_context_lens: torch.Tensor | None  # [Bd]
-    decode_token_slots: torch.Tensor | None  # [Bd, L]
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool or None when Bd == 1
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_plain_rows: torch.Tensor | None = None  # decodes not in a group; None = all of them
+    decode_block_tables: torch.Tensor | None = None  # [Bp, max_blocks] of the plain decodes
+    decode_context_lens: torch.Tensor | None = None  # [Bp]
+    decode_token_slots: torch.Tensor | None = None  # [Bp, L]
+    decode_mask: torch.Tensor | None = None  # [Bp, 1, 1, L] or None when lengths are equal
     # extend part: the remaining tokens
-    num_extends: int
-    extend_block_tables: torch.Tensor | None  # [Be, max_blocks]
-    extend_query_start_loc: torch.Tensor | None  # [Be + 1], offsets within the extend tokens
-    extend_seq_lens: torch.Tensor | None  # [Be] prefix + new tokens
+    num_extends: int = 0
+    extend_groups: list[ExtendGroup] = field(default_factory=list)
+    extend_plain_rows: torch.Tensor | None = None  # extend tokens of sequences not in a group; None = all
+    extend_block_tables: torch.Tensor | None = None  # [Ep, max_blocks] of the plain extends
+    extend_query_start_loc: torch.Tensor | None = None  # [Ep + 1] offsets within the plain extend tokens
+    extend_seq_lens: torch.Tensor | None = None  # [Ep] prefix + new tokens
     # filled by the model once per forward
     rope_cos: torch.Tensor | None = None
     rope_sin: torch.Tensor | None = None
@@ -44,6 +73,35 @@ def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(padded, dtype=torch.int64, device=device)
 
 
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def find_shared_prefixes(tables: list[list[int]], max_blocks: list[int], min_blocks: int) -> list[tuple[list[int], int]]:
+    """Group sequences whose block tables start with the same physical blocks.
+
+    Returns (member indices, number of shared blocks) for groups of two or more
+    sharing at least `min_blocks`; `max_blocks[i]` caps how many of sequence i's
+    blocks may count (only blocks wholly before its new tokens).
+    """
+    buckets: dict[int, list[int]] = defaultdict(list)
+    for i, (table, cap) in enumerate(zip(tables, max_blocks)):
+        if cap >= min_blocks:
+            buckets[table[0]].append(i)
+    groups = []
+    for members in buckets.values():
+        if len(members) < 2:
+            continue
+        limit = min(max_blocks[i] for i in members)
+        first = tables[members[0]]
+        shared = 0
+        while shared < limit and all(tables[i][shared] == first[shared] for i in members):
+            shared += 1
+        if shared >= min_blocks:
+            groups.append((members, shared))
+    return groups
+
+
 def build_forward_batch(
     *,
     decode_tokens: list[int],
@@ -55,6 +113,7 @@ def build_forward_batch(
     extend_need_logits: list[bool],
     block_size: int,
     device: torch.device,
+    min_cascade_blocks: int = MIN_CASCADE_BLOCKS,
 ) -> ForwardBatch:
     """Pack decodes and prefill chunks into flat tensors.
 
@@ -66,51 +125,101 @@ def build_forward_batch(
     positions: list[int] = list(decode_positions)
     slots: list[int] = [table[p // block_size] * block_size + p % block_size for table, p in zip(decode_block_tables, decode_positions)]
     logits_rows: list[int] = list(range(len(decode_tokens)))
-    query_start = [0]
-    seq_lens: list[int] = []
+    ext_offsets = [0]
     for tokens, start, table, need in zip(extend_tokens, extend_start_positions, extend_block_tables, extend_need_logits):
         n = len(tokens)
         input_ids.extend(tokens)
-        pos = range(start, start + n)
-        positions.extend(pos)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        positions.extend(range(start, start + n))
+        slots.extend(_slots(table, start, start + n, block_size))
         if need:
-            logits_rows.append(len(decode_tokens) + query_start[-1] + n - 1)
-        query_start.append(query_start[-1] + n)
-        seq_lens.append(start + n)
+            logits_rows.append(len(decode_tokens) + ext_offsets[-1] + n - 1)
+        ext_offsets.append(ext_offsets[-1] + n)
 
-    num_decodes = len(decode_tokens)
-    dec_tables = dec_lens = dec_slots = dec_mask = None
-    if num_decodes:
-        dec_tables = _pad_tables(decode_block_tables, device)
-        context = [p + 1 for p in decode_positions]
-        dec_lens = torch.tensor(context, dtype=torch.int64, device=device)
-        max_len = max(context)
-        offsets = torch.arange(block_size, dtype=torch.int64, device=device)
-        dec_slots = (dec_tables.unsqueeze(-1) * block_size + offsets).reshape(num_decodes, -1)[:, :max_len]
-        if num_decodes > 1 and min(context) != max_len:
-            valid = torch.arange(max_len, device=device).unsqueeze(0) < dec_lens.unsqueeze(1)
-            dec_mask = valid.view(num_decodes, 1, 1, max_len)
-            # NOTE: padded positions read a slot the sequence has written (its first), never
-            # unwritten pool memory, which may hold NaN bit patterns that survive masking.
-            dec_slots = torch.where(valid, dec_slots, dec_slots[:, :1])
-    ext_tables = ext_qsl = ext_lens = None
-    if extend_tokens:
-        ext_tables = _pad_tables(extend_block_tables, device)
-        ext_qsl = torch.tensor(query_start, dtype=torch.int64, device=device)
-        ext_lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
-        num_decodes=num_decodes,
-        decode_block_tables=dec_tables,
-        decode_context_lens=dec_lens,
-        decode_token_slots=dec_slots,
-        decode_mask=dec_mask,
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    batch = ForwardBatch(
+        input_ids=tensor(input_ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
+        logits_indices=tensor(logits_rows),
+        num_decodes=len(decode_tokens),
         num_extends=len(extend_tokens),
-        extend_block_tables=ext_tables,
-        extend_query_start_loc=ext_qsl,
-        extend_seq_lens=ext_lens,
     )
+
+    # ---- decodes ----
+    if decode_tokens:
+        context = [p + 1 for p in decode_positions]
+        grouped: set[int] = set()
+        caps = [(c - 1) // block_size for c in context]
+        for members, shared in find_shared_prefixes(decode_block_tables, caps, min_cascade_blocks):
+            prefix_len = shared * block_size
+            suffixes = [_slots(decode_block_tables[i], prefix_len, context[i], block_size) for i in members]
+            width = max(len(s) for s in suffixes)
+            mask = None
+            if any(len(s) != width for s in suffixes):
+                mask = tensor([[1] * len(s) + [0] * (width - len(s)) for s in suffixes]).bool().view(len(members), 1, 1, width)
+            padded = [s + [s[0]] * (width - len(s)) for s in suffixes]  # pad with a written slot
+            batch.decode_groups.append(
+                DecodeGroup(
+                    rows=tensor(members),
+                    prefix_slots=tensor(_slots(decode_block_tables[members[0]], 0, prefix_len, block_size)),
+                    suffix_slots=tensor(padded),
+                    suffix_mask=mask,
+                )
+            )
+            grouped.update(members)
+        plain = [i for i in range(len(decode_tokens)) if i not in grouped]
+        if grouped:
+            batch.decode_plain_rows = tensor(plain)
+        if plain:
+            tables = [decode_block_tables[i] for i in plain]
+            ctx = [context[i] for i in plain]
+            batch.decode_block_tables = _pad_tables(tables, device)
+            batch.decode_context_lens = tensor(ctx)
+            max_len = max(ctx)
+            offsets = torch.arange(block_size, dtype=torch.int64, device=device)
+            dec_slots = (batch.decode_block_tables.unsqueeze(-1) * block_size + offsets).reshape(len(plain), -1)[:, :max_len]
+            if len(plain) > 1 and min(ctx) != max_len:
+                valid = torch.arange(max_len, device=device).unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)
+                batch.decode_mask = valid.view(len(plain), 1, 1, max_len)
+                # NOTE: padded positions read a slot the sequence has written (its first), never
+                # unwritten pool memory, which may hold NaN bit patterns that survive masking.
+                dec_slots = torch.where(valid, dec_slots, dec_slots[:, :1])
+            batch.decode_token_slots = dec_slots
+
+    # ---- extends ----
+    if extend_tokens:
+        grouped = set()
+        caps = [start // block_size for start in extend_start_positions]
+        for members, shared in find_shared_prefixes(extend_block_tables, caps, min_cascade_blocks):
+            prefix_len = shared * block_size
+            rows: list[int] = []
+            for i in members:
+                rows.extend(range(ext_offsets[i], ext_offsets[i + 1]))
+            batch.extend_groups.append(
+                ExtendGroup(
+                    token_rows=tensor(rows),
+                    prefix_slots=tensor(_slots(extend_block_tables[members[0]], 0, prefix_len, block_size)),
+                    query_lens=[len(extend_tokens[i]) for i in members],
+                    suffix_slots=[
+                        tensor(_slots(extend_block_tables[i], prefix_len, extend_start_positions[i] + len(extend_tokens[i]), block_size))
+                        for i in members
+                    ],
+                )
+            )
+            grouped.update(members)
+        plain = [i for i in range(len(extend_tokens)) if i not in grouped]
+        if grouped:
+            rows = []
+            for i in plain:
+                rows.extend(range(ext_offsets[i], ext_offsets[i + 1]))
+            batch.extend_plain_rows = tensor(rows)
+        if plain:
+            qsl = [0]
+            for i in plain:
+                qsl.append(qsl[-1] + len(extend_tokens[i]))
+            batch.extend_block_tables = _pad_tables([extend_block_tables[i] for i in plain], device)
+            batch.extend_query_start_loc = tensor(qsl)
+            batch.extend_seq_lens = tensor([extend_start_positions[i] + len(extend_tokens[i]) for i in plain])
+    return batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -102,11 +103,30 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SampleResult | None]:
+    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy-on-write of partially shared blocks: ``(src, dst, k)`` copies the KV of
+        src's first k slots into dst (in every layer, K and V), in one indexed op.
+
+        # NOTE: whole blocks are copied; dst's slots from k on are overwritten by
+        # its own sequence's prefill before anything reads them (attention reads
+        # only positions below each sequence's context length).
+        """
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledSeq], copies: Sequence[tuple[int, int, int]] = ()
+    ) -> tuple[list[ScheduledSeq], SampleResult | None]:
         """Run one forward pass; sample for every sequence whose chunk reaches its end.
 
+        ``copies`` (from ``BlockManager.take_pending_copies``) are applied first.
         Returns the sequences that got a new token (in order) and the sample result.
         """
+        self.copy_blocks(copies)
         # A one-token chunk that ends the sequence is a decode; anything else is an extend.
         decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.completes_prompt]
         extends = [s for s in scheduled if not (s.num_new_tokens == 1 and s.completes_prompt)]

@@ -72,10 +72,12 @@ def paged_decode_attention(
         token_slots = torch.where(valid, token_slots, token_slots[:, :1])
     k = _gather(k_cache, token_slots).to(query.dtype)
     v = _gather(v_cache, token_slots).to(query.dtype)
-    q = query.unsqueeze(2)  # [B, H, 1, D]
-    gqa = num_heads != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.squeeze(2)
+    num_kv_heads = k.shape[1]
+    # NOTE: the query heads sharing a KV head are folded into rows ([B, KVH, rep, D]), so
+    # grouped-query attention needs no copy of K/V per query head.
+    q = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def paged_extend_attention(
@@ -130,3 +132,124 @@ def extend_attention_dense(
     k_pos = torch.arange(total, device=q.device).unsqueeze(0)
     mask = k_pos <= q_pos
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+# ---------------------------------------------------------------------------
+# Cascade attention: many sequences sharing a cached prefix (a system prompt).
+#
+# Without it every sequence gathers and attends over its own copy of the shared
+# prefix in every layer, so a batch of 16 users behind a 1,000-token system
+# prompt moves 16x the prefix K/V per layer per step. Here the prefix is
+# gathered once and attended by all the group's queries in one call; each
+# sequence then attends over its private suffix, and the two partial results are
+# merged exactly through their log-sum-exp (softmax is associative that way).
+# ---------------------------------------------------------------------------
+
+
+def attention_lse(
+    q: torch.Tensor,  # [B, N, M, D]
+    k: torch.Tensor,  # [B, N, L, D]
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,  # bool, broadcastable to [B, N, M, L]; True = attend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [B, N, M, D] and its log-sum-exp [B, N, M] (float32)."""
+    if q.device.type == "cpu":
+        additive = None
+        if mask is not None:
+            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive, scale=scale)[:2]
+        return out, lse
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    return out, lse
+
+
+def merge_attention_states(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Combine two attention results over disjoint key sets. o: [..., D], lse: [...]."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
+
+
+def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[T, H, D] -> [1, KVH, T * rep, D]: the query heads sharing a KV head become rows."""
+    t, h, d = q.shape
+    rep = h // num_kv_heads
+    return q.reshape(t, num_kv_heads, rep, d).permute(1, 0, 2, 3).reshape(1, num_kv_heads, t * rep, d)
+
+
+def _unfold_gqa(x: torch.Tensor, t: int, rep: int) -> torch.Tensor:
+    """Inverse of `_fold_gqa` for outputs [1, KVH, T*rep, D] or lse [1, KVH, T*rep] -> [T, H(, D)]."""
+    kvh = x.shape[1]
+    if x.dim() == 4:
+        return x.reshape(kvh, t, rep, x.shape[-1]).permute(1, 0, 2, 3).reshape(t, kvh * rep, x.shape[-1])
+    return x.reshape(kvh, t, rep).permute(1, 0, 2).reshape(t, kvh * rep)
+
+
+def _prefix_part(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_slots: torch.Tensor, scale: float):
+    num_kv_heads = k_cache.shape[-2]
+    t, h, _ = query.shape
+    k = _gather(k_cache, prefix_slots.unsqueeze(0)).to(query.dtype)  # [1, KVH, P, D]
+    v = _gather(v_cache, prefix_slots.unsqueeze(0)).to(query.dtype)
+    out, lse = attention_lse(_fold_gqa(query, num_kv_heads), k, v, scale)
+    rep = h // num_kv_heads
+    return _unfold_gqa(out, t, rep), _unfold_gqa(lse, t, rep)
+
+
+def cascade_decode_attention(
+    query: torch.Tensor,  # [B, H, D], one token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_slots: torch.Tensor,  # [P] slots of the prefix all B sequences share
+    suffix_slots: torch.Tensor,  # [B, Ls] slots of each sequence's tokens after the prefix (padded)
+    suffix_mask: torch.Tensor | None,  # [B, 1, 1, Ls] bool, or None when all suffixes have length Ls
+    scale: float,
+) -> torch.Tensor:
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[-2]
+    rep = num_heads // num_kv_heads
+    o_p, lse_p = _prefix_part(query, k_cache, v_cache, prefix_slots, scale)
+    k = _gather(k_cache, suffix_slots).to(query.dtype)  # [B, KVH, Ls, D]
+    v = _gather(v_cache, suffix_slots).to(query.dtype)
+    q = query.reshape(batch, num_kv_heads, rep, head_dim)
+    o_s, lse_s = attention_lse(q, k, v, scale, suffix_mask)
+    return merge_attention_states(o_p, lse_p, o_s.reshape(batch, num_heads, head_dim), lse_s.reshape(batch, num_heads))
+
+
+def cascade_extend_attention(
+    query: torch.Tensor,  # [T, H, D], the new tokens of the group's sequences, packed in order
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_slots: torch.Tensor,  # [P] shared prefix; every new token's position is >= P
+    query_lens: list[int],  # new tokens per sequence
+    suffix_slots: list[torch.Tensor],  # per sequence: slots of positions [P, seq_len)
+    scale: float,
+) -> torch.Tensor:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[-2]
+    rep = num_heads // num_kv_heads
+    o_p, lse_p = _prefix_part(query, k_cache, v_cache, prefix_slots, scale)
+    o_s = torch.empty_like(o_p)
+    lse_s = torch.empty_like(lse_p)
+    start = 0
+    for n, slots in zip(query_lens, suffix_slots):
+        suffix_len = slots.shape[0]
+        k = _gather(k_cache, slots.unsqueeze(0)).to(query.dtype)
+        v = _gather(v_cache, slots.unsqueeze(0)).to(query.dtype)
+        q = query[start : start + n]  # [n, H, D] -> rows ordered (token, rep)
+        q = q.reshape(n, num_kv_heads, rep, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv_heads, n * rep, head_dim)
+        first = suffix_len - n  # suffix index of this sequence's first new token
+        q_pos = torch.arange(first, suffix_len, device=query.device).repeat_interleave(rep).unsqueeze(1)
+        mask = torch.arange(suffix_len, device=query.device).unsqueeze(0) <= q_pos  # [n*rep, Ls]
+        out, lse = attention_lse(q, k, v, scale, mask.view(1, 1, n * rep, suffix_len))
+        o_s[start : start + n] = _unfold_gqa(out, n, rep)
+        lse_s[start : start + n] = _unfold_gqa(lse, n, rep)
+        start += n
+    return merge_attention_states(o_p, lse_p, o_s, lse_s)

@@ -78,7 +78,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_llm):
         SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=15),
         SamplingParams(temperature=0.7, top_p=0.9, seed=99, max_tokens=5),
-        SamplingParams(temperature=1.3, top_k=20, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.3, top_k=20, max_tokens=14, ignore_eos=True),
         SamplingParams(temperature=1.0, max_tokens=3),
     ]
     batch = [others[0], others[1], prompt, others[2], others[3], others[4]]
@@ -92,10 +92,10 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_llm):
     variants = {
         tuple(tiny_llm.generate(prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True))[0]
               .outputs[0].token_ids)
-        for s in (1, 2, 3)
+        for s in (1, 2)
     }
     variants.add(tuple(alone))
-    assert len(variants) >= 3
+    assert len(variants) == 3
     assert_engine_idle(tiny_llm)
 
 
@@ -123,17 +123,17 @@ SHORT = [{"role": "user", "content": "What is 2+2? Answer with just the number."
 def sky_runs(llm_fp32):
     """The greedy answer to SKY, then (in one batch) the same prompt with each way of stopping."""
     tok = llm_fp32.get_tokenizer()
-    base = llm_fp32.chat(SKY, SamplingParams(temperature=0.0, max_tokens=32))[0].outputs[0]
+    base = llm_fp32.chat(SKY, SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0]
     full, toks = base.text, base.token_ids
-    assert len(toks) == 32 and base.finish_reason == "length"
+    assert len(toks) == 24 and base.finish_reason == "length"
     mid = len(full) // 2
     stop = full[mid : mid + 6]
     assert stop.strip(), f"pick a stop string with visible text, got {stop!r}"
     stop_id = toks[4]
     variants = {
-        "stop_str": SamplingParams(temperature=0.0, max_tokens=32, stop=[stop]),
-        "stop_str_incl": SamplingParams(temperature=0.0, max_tokens=32, stop=stop, include_stop_str_in_output=True),
-        "stop_token": SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop_id]),
+        "stop_str": SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+        "stop_str_incl": SamplingParams(temperature=0.0, max_tokens=24, stop=stop, include_stop_str_in_output=True),
+        "stop_token": SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id]),
         "length": SamplingParams(temperature=0.0, max_tokens=7),
     }
     outs = llm_fp32.chat([SKY] * len(variants), list(variants.values()))
@@ -342,10 +342,10 @@ def test_bad_prompt_token_ids_leave_the_engine_clean(tiny_llm):
 
 def test_preemption_keeps_outputs_and_kv_accounting(tiny):
     rng = random.Random(5)
-    prompts = random_prompts(rng, 30, 4, 60)
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 24), ignore_eos=True) for _ in prompts]
+    prompts = random_prompts(rng, 30, 4, 48)
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 16), ignore_eos=True) for _ in prompts]
 
-    small = LLM(str(tiny), dtype="float32", num_kv_blocks=24, block_size=16)
+    small = LLM(str(tiny), dtype="float32", num_kv_blocks=8, block_size=16)  # 128 tokens for ~1,000 of demand
     kv_numel = small.engine.runner.kv_cache.numel()
     outs = small.generate(prompts, params)
     assert small.engine.scheduler.num_preemptions > 0, "the workload must force preemption"
@@ -355,11 +355,15 @@ def test_preemption_keeps_outputs_and_kv_accounting(tiny):
         assert len(out.outputs[0].token_ids) == p.max_tokens
     assert_engine_idle(small)
 
+    # References with a big pool (no preemption): all together, and a sample one at a time.
     big = LLM(str(tiny), dtype="float32", num_kv_blocks=512, block_size=16)
-    for prompt, p, out in zip(prompts, params, outs):
-        ref = big.generate(prompt, p)[0].outputs[0]
-        assert out.outputs[0].token_ids == ref.token_ids
-        assert out.outputs[0].text == ref.text
+    refs = big.generate(prompts, params)
+    for out, ref in zip(outs, refs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].text == ref.outputs[0].text
+    for i in range(0, len(prompts), 6):
+        alone = big.generate(prompts[i], params[i])[0].outputs[0]
+        assert outs[i].outputs[0].token_ids == alone.token_ids
     assert big.engine.scheduler.num_preemptions == 0
     assert_engine_idle(big)
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels import paged_decode_attention, paged_extend_attention, store_kv_cache
-
+from ..attention import paged_attention
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
 from .cpu_linear import PackedLinear, pack_linears
@@ -68,27 +67,7 @@ class Attention(nn.Module):
         # q and k rotate together: one set of elementwise ops instead of two
         qk = apply_rotary(qk, batch.rope_cos, batch.rope_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-
-        nd = batch.num_decodes
-        if batch.num_extends == 0:
-            out = paged_decode_attention(
-                q, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
-                token_slots=batch.decode_token_slots, mask=batch.decode_mask,
-            )
-        elif nd == 0:
-            out = paged_extend_attention(
-                q, k_cache, v_cache, batch.extend_block_tables, batch.extend_query_start_loc, batch.extend_seq_lens, self.scale
-            )
-        else:
-            out = torch.empty_like(q)
-            out[:nd] = paged_decode_attention(
-                q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
-                token_slots=batch.decode_token_slots, mask=batch.decode_mask,
-            )
-            out[nd:] = paged_extend_attention(
-                q[nd:], k_cache, v_cache, batch.extend_block_tables, batch.extend_query_start_loc, batch.extend_seq_lens, self.scale
-            )
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

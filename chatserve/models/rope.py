@@ -52,4 +52,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: [T, heads, head_dim]; the rotate-half convention of HF Llama checkpoints."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, rotated, sin)

@@ -1,0 +1,463 @@
+"""The serving engine: many concurrent async streams over one synchronous `LLMEngine`.
+
+One background asyncio task (the *loop*) owns the `LLMEngine`. While there is
+work it runs `engine.step()` in a dedicated single-thread executor, so steps
+never overlap and the event loop stays free for HTTP; then it hands each
+`RequestOutput` to its request's `asyncio.Queue`. When idle it waits on an
+`asyncio.Event` (no spinning, no polling).
+
+NOTE: the `LLMEngine` is not thread-safe. Every call that changes it
+(`add_request`, `abort_request`, `check_integrity`) is queued and applied by the
+loop *between* steps, on the event-loop thread, never while a step is in flight.
+Only `step()` itself runs in the worker thread. Consequently every public method
+here must be called from the event-loop thread that drives the engine.
+
+Life of a request: `generate()` validates eagerly (tokenize, length, duplicate
+id) and queues the add; the loop adds it at the next step boundary; outputs flow
+through the queue; the iterator stops after the output with `finished=True`.
+`abort()` (or leaving the `async for` early) queues an abort; the loop applies it
+after the step in flight, so the final output (finish_reason "abort") arrives at
+most one step later. If a step raises, every live stream raises
+`EngineDeadError` and the engine refuses new work (`is_healthy()` is False).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .engine import EngineArgs, LLMEngine, PromptType
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# After this many consecutive steps that scheduled nothing, the loop stops stepping and waits for a
+# new request or abort (which is the only thing that can change the scheduler's mind). Reaching it
+# means a request can never be scheduled (e.g. it outgrew the KV pool); it is logged, not spun on.
+_MAX_IDLE_STEPS = 2
+# Finished requests whose metrics are kept for inspection (`recent_metrics`).
+_METRICS_HISTORY = 1024
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed (a model step raised); the engine accepts no more work.
+
+    The original exception is in `cause` (and `__cause__`). Restart the process to recover.
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the engine loop died: {type(cause).__name__}: {cause}; restart the server to recover")
+        self.cause = cause
+        self.__cause__ = cause
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic) of one request's life, for latency metrics."""
+
+    request_id: str
+    arrival_time: float  # when generate() accepted it
+    num_prompt_tokens: int
+    first_token_time: float | None = None  # when its first token was sampled
+    finish_time: float | None = None  # when its final output was handed to its stream
+    num_generated_tokens: int = 0
+    finish_reason: str | None = None
+    # LLMEngine.num_steps when an abort was asked for and when the final output was handed over:
+    # finish_step - abort_step <= 1 (an abort waits at most for the step in flight).
+    abort_step: int | None = None
+    finish_step: int | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One request as the async side sees it: its queue and where it stands."""
+
+    request_id: str
+    prompt: dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text | None}: tokenized once, eagerly
+    params: SamplingParams
+    metrics: RequestMetrics
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | EngineDeadError
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set once the final item is queued
+    added: bool = False  # the loop has added it to the LLMEngine
+    abort_queued: bool = False
+    finished: bool = False  # the final output (or an error) is in the queue
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+
+class AsyncLLMEngine:
+    """Async front of `LLMEngine`: `generate()` streams, `abort()` cancels, one loop owns the model.
+
+    Construct it anywhere (loading the model takes seconds, synchronously); the loop starts lazily
+    on the running event loop at the first `generate()` (or `await start()`). If the event loop that
+    drove it ends (e.g. `asyncio.run` returns), the loop task finishes the step in flight, aborts
+    what was live and stops; a later event loop may use the engine again.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-engine")
+        self._streams: dict[str, _Stream] = {}  # live requests: accepted and not yet finished
+        self._pending: collections.deque[tuple] = collections.deque()  # ops for the next step boundary
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._step_future: asyncio.Future | None = None
+        self._closing = False  # shutdown() began: no new work, no new loop
+        self._dead: EngineDeadError | None = None
+        self._stats: dict[str, Any] = engine.stats()
+        self._ids = itertools.count()
+        self.recent_metrics: collections.deque[RequestMetrics] = collections.deque(maxlen=_METRICS_HISTORY)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(LLMEngine(args))
+
+    # ---- introspection -----------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    def request_metrics(self, request_id: str) -> RequestMetrics | None:
+        """A live request's metrics, or a recently finished one's (the last `_METRICS_HISTORY` kept)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            return stream.metrics
+        return next((m for m in reversed(self.recent_metrics) if m.request_id == request_id), None)
+
+    def stats(self) -> dict[str, Any]:
+        """The LLMEngine's counters as of the last step boundary (a snapshot the loop takes), plus ours.
+
+        Keys include num_running, num_waiting, num_total_blocks, num_free_blocks, num_cached_blocks,
+        num_locked_blocks, prefix_cache_*, num_preemptions, num_steps.
+        """
+        snap = dict(self._stats)
+        snap["num_live_requests"] = len(self._streams)
+        snap["is_healthy"] = self.is_healthy()
+        return snap
+
+    async def check_integrity(self) -> None:
+        """Check the KV-cache invariants between steps; raises AssertionError if one is broken."""
+        await self._call_between_steps(self.engine.check_integrity)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._check_accepting()
+        self._ensure_loop()
+
+    def _check_accepting(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead.cause)
+        if self._closing:
+            raise RuntimeError("the engine has been shut down; create a new AsyncLLMEngine")
+
+    def _ensure_loop(self) -> None:
+        if self._closing or self._dead is not None:
+            return  # shutdown() (or _fail) settles whatever is still queued
+        running = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done():
+            if self._task.get_loop() is not running:
+                raise RuntimeError("this AsyncLLMEngine is driven by another event loop; use it from that loop only")
+            return
+        # NOTE: a finished task left nothing behind: on exit the loop aborts every live stream.
+        self._wakeup = asyncio.Event()
+        self._task = running.create_task(self._run_loop(), name="chatserve-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Abort every live request (their streams end with finish_reason "abort"), stop the loop and
+        the worker thread. Idempotent; the engine accepts no work afterwards."""
+        if self.is_running:
+            assert self._task is not None and self._wakeup is not None
+            if self._task.get_loop() is not asyncio.get_running_loop():
+                raise RuntimeError("shut this AsyncLLMEngine down from the event loop that drives it")
+            self._closing = True
+            self._wakeup.set()
+            await asyncio.shield(self._task)  # it applies what is queued, then returns between steps
+        self._closing = True
+        if self._dead is None:
+            self._apply_pending()  # a final abort or integrity check queued in the meantime
+            self._abort_all()
+        self._executor.shutdown(wait=True)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Start a request and return an async iterator of its outputs (shaped by `output_kind`).
+
+        A regular method, not an `async def`, on purpose: everything that can be refused is checked
+        here, before any work, so the caller gets the ValueError (prompt too long or empty, bad
+        token ids, duplicate live request_id) or EngineDeadError at the call, not on first iteration.
+        Must be called from within the running event loop that drives this engine.
+
+        Leaving the `async for` early (break, `aclose()`, cancellation) aborts the request. An
+        iterator that is never iterated still runs its request to the end (and buffers its outputs).
+        """
+        self._check_accepting()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running; use a unique id per request")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate_prompt_len(len(ids))
+        self._ensure_loop()
+        stream = _Stream(
+            request_id=request_id,
+            prompt={"prompt_token_ids": ids, "prompt": text},
+            params=params,
+            metrics=RequestMetrics(request_id, time.monotonic(), len(ids)),
+        )
+        self._streams[request_id] = stream
+        self._enqueue(("add", stream))
+        return self._iterate(stream)
+
+    async def _iterate(self, stream: _Stream) -> AsyncGenerator[RequestOutput, None]:
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # NOTE: runs on break / aclose() / cancellation / garbage collection of the generator.
+            if not stream.finished:
+                self._abort_nowait(stream)
+
+    async def abort(self, request_id: str) -> None:
+        """Finish a request with finish_reason "abort". Idempotent; unknown or finished ids are a no-op.
+
+        Returns once the abort is applied: its stream then holds its final output, and the id may be
+        reused. That happens at the next step boundary: at most one step after this call.
+        """
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        self._abort_nowait(stream)
+        await stream.done.wait()
+
+    def _abort_nowait(self, stream: _Stream) -> None:
+        if stream.finished or self._dead is not None:
+            return
+        if stream.metrics.abort_step is None:
+            stream.metrics.abort_step = self.engine.num_steps
+        if not stream.added:
+            # Not in the LLMEngine yet (its add is still queued): finish it here; the loop skips the add.
+            self._deliver(stream, self._abort_output(stream))
+            return
+        if not stream.abort_queued:
+            stream.abort_queued = True
+            self._enqueue(("abort", stream))
+
+    def _enqueue(self, op: tuple) -> None:
+        self._pending.append(op)
+        self._ensure_loop()
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _call_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run fn on the event-loop thread at the next step boundary (or now, if no loop runs)."""
+        self._check_accepting()
+        if not self.is_running:
+            return fn()
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._enqueue(("call", fn, fut))
+        return await fut
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle_steps = 0
+        try:
+            while True:
+                self._apply_pending()
+                if self._closing:
+                    return
+                if not self.engine.has_unfinished_requests() or idle_steps >= _MAX_IDLE_STEPS:
+                    if idle_steps >= _MAX_IDLE_STEPS:
+                        logger.warning("the scheduler can schedule nothing (%s); waiting for an abort", self._stats)
+                    idle_steps = 0
+                    assert self._wakeup is not None
+                    if not self._pending:
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                    continue
+                steps_before = self.engine.num_steps
+                self._step_future = loop.run_in_executor(self._executor, self._step)
+                # NOTE: shielded, so cancelling this task never abandons a step half-way: see below.
+                outputs = await asyncio.shield(self._step_future)
+                self._step_future = None
+                idle_steps = idle_steps + 1 if self.engine.num_steps == steps_before else 0
+                self._dispatch(outputs)
+        except asyncio.CancelledError:
+            # The event loop is going away (or someone cancelled us): let the step in flight finish,
+            # then end every live stream with an abort so nothing waits forever and no KV leaks.
+            if self._step_future is not None:
+                try:
+                    outputs = await self._step_future
+                except BaseException as exc:  # noqa: BLE001 - the step failed after all
+                    self._fail(exc)
+                    raise asyncio.CancelledError from None
+                self._step_future = None
+                self._dispatch(outputs)
+            self._apply_pending()
+            self._abort_all()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a failed step (or a bug here) kills the engine
+            self._step_future = None
+            logger.exception("chatserve engine loop died")
+            self._fail(exc)
+
+    def _step(self) -> list[RequestOutput]:
+        """Runs in the worker thread: one engine step, then a stats snapshot for `stats()`."""
+        outputs = self.engine.step()
+        self._stats = self.engine.stats()
+        return outputs
+
+    def _apply_pending(self) -> None:
+        """Apply queued adds, aborts and calls. Event-loop thread, between steps only."""
+        if not self._pending:
+            return
+        while self._pending:
+            op = self._pending.popleft()
+            kind = op[0]
+            if kind == "add":
+                stream: _Stream = op[1]
+                if stream.finished:
+                    continue  # aborted before it was added
+                try:
+                    self.engine.add_request(stream.request_id, stream.prompt, stream.params)
+                except Exception as exc:  # noqa: BLE001 - validated already; refuse this request only
+                    self._deliver_error(stream, exc)
+                    continue
+                stream.added = True
+            elif kind == "abort":
+                stream = op[1]
+                if stream.finished:
+                    continue  # it finished in the step that was in flight
+                out = self.engine.abort_request(stream.request_id)
+                self._deliver(stream, out if out is not None else self._abort_output(stream))
+            elif kind == "call":
+                fn, fut = op[1], op[2]
+                if fut.cancelled():
+                    continue
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+        self._stats = self.engine.stats()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None or stream.finished:
+                continue
+            self._deliver(stream, out)
+
+    def _deliver(self, stream: _Stream, out: RequestOutput) -> None:
+        m = stream.metrics
+        now = time.monotonic()
+        num_tokens = sum(len(o.token_ids) for o in out.outputs)
+        if stream.params.output_kind == "delta":
+            m.num_generated_tokens += num_tokens
+        else:
+            m.num_generated_tokens = num_tokens
+        if m.first_token_time is None and any(o.token_ids for o in out.outputs):
+            m.first_token_time = out.metrics.get("first_token_time") or now
+        out.metrics["arrival_time"] = m.arrival_time
+        if m.first_token_time is not None:
+            out.metrics["first_token_time"] = m.first_token_time
+        if out.finished:
+            m.finish_time = now
+            m.finish_step = self.engine.num_steps
+            out.metrics["finish_time"] = now
+            reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+            m.finish_reason = reasons[0] if reasons else None
+            self._finish(stream)
+        stream.queue.put_nowait(out)
+
+    def _deliver_error(self, stream: _Stream, exc: BaseException) -> None:
+        self._finish(stream)
+        stream.queue.put_nowait(exc)
+
+    def _finish(self, stream: _Stream) -> None:
+        stream.finished = True
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        self.recent_metrics.append(stream.metrics)
+        stream.done.set()
+
+    @staticmethod
+    def _abort_output(stream: _Stream) -> RequestOutput:
+        """The final output of a request that never reached the LLMEngine (or left it already)."""
+        return RequestOutput(
+            request_id=stream.request_id,
+            prompt=stream.prompt.get("prompt"),
+            prompt_token_ids=stream.prompt["prompt_token_ids"],
+            outputs=[CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(stream.n)],
+            finished=True,
+        )
+
+    def _abort_all(self) -> None:
+        """End every live stream with an abort (event-loop thread, no step in flight)."""
+        for stream in list(self._streams.values()):
+            if stream.finished:
+                continue
+            out = self.engine.abort_request(stream.request_id) if stream.added else None
+            self._deliver(stream, out if out is not None else self._abort_output(stream))
+        self._stats = self.engine.stats()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step raised: the LLMEngine's state is unknown, so never touch it again; fail everything."""
+        self._dead = EngineDeadError(exc)
+        for stream in list(self._streams.values()):
+            if not stream.finished:
+                # NOTE: one exception object per stream: raising one object in many tasks tangles tracebacks.
+                self._deliver_error(stream, EngineDeadError(exc))
+        while self._pending:
+            op = self._pending.popleft()
+            if op[0] == "call" and not op[2].done():
+                op[2].set_exception(EngineDeadError(exc))
+        self._executor.shutdown(wait=False)
+
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestMetrics"]

@@ -1,0 +1,407 @@
+"""AsyncLLMEngine: concurrent streams, aborts in every state, chunked prefill, failures, responsiveness.
+
+Everything runs a tiny random Llama (float32) on the CPU. Each test drives the engine inside its own
+`asyncio.run` (no pytest-asyncio), bounded by `asyncio.wait_for` so a hang fails instead of blocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+import pytest
+
+from chatserve import AsyncLLMEngine, EngineArgs, SamplingParams
+from chatserve.async_engine import EngineDeadError
+
+TIMEOUT_S = 60
+
+
+def run(coro, timeout: float = TIMEOUT_S):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def random_ids(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer.
+
+    Built here rather than with conftest's `tiny_checkpoint`, whose tokenizer fixture also loads the
+    full default model into transformers (~25 s more on a small CPU box).
+    """
+    from chatserve.model_loader import load_tokenizer, resolve_model
+    from tests.conftest import write_tiny_checkpoint
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-async"), "llama", tokenizer)
+
+
+def make_engine(tiny, **kwargs) -> AsyncLLMEngine:
+    kwargs.setdefault("num_threads", 1)
+    return AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny), dtype="float32", **kwargs))
+
+
+async def collect(engine: AsyncLLMEngine, prompt, params, request_id=None) -> list:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def assert_idle(engine: AsyncLLMEngine) -> None:
+    await engine.check_integrity()
+    stats = engine.stats()
+    assert stats["num_live_requests"] == 0
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_locked_blocks"] == 0
+    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == stats["num_total_blocks"]
+    assert not engine.engine.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_concurrent_greedy_streams_match_one_at_a_time(tiny):
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": random_ids(rng, 3, 40)} for _ in range(32)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 16), ignore_eos=True) for _ in prompts]
+    engine = make_engine(tiny)
+
+    async def main():
+        concurrent = await asyncio.gather(*(collect(engine, p, sp, f"c{i}") for i, (p, sp) in enumerate(zip(prompts, params))))
+        assert engine.stats()["num_steps"] < sum(sp.max_tokens for sp in params), "the streams must be batched"
+        sequential = [await collect(engine, p, sp, f"s{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        for outs_c, outs_s, sp in zip(concurrent, sequential, params):
+            final_c, final_s = outs_c[-1], outs_s[-1]
+            assert final_c.finished and final_c.outputs[0].finish_reason == "length"
+            assert len(final_c.outputs[0].token_ids) == sp.max_tokens
+            assert final_c.outputs[0].token_ids == final_s.outputs[0].token_ids
+            assert final_c.outputs[0].text == final_s.outputs[0].text
+            # cumulative streaming: each output extends the previous one, one token per step
+            lens = [len(o.outputs[0].token_ids) for o in outs_c]
+            assert lens == list(range(1, sp.max_tokens + 1))
+            m = final_c.metrics
+            assert m["arrival_time"] <= m["first_token_time"] <= m["finish_time"]
+        await assert_idle(engine)
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_delta_outputs_concatenate_to_cumulative(tiny):
+    engine = make_engine(tiny)
+    prompts = ["The sky is", "Once upon a time, in a land far away,", "1, 2, 3,"]
+
+    async def main():
+        for kind_params in (
+            dict(temperature=0.0, max_tokens=24, ignore_eos=True),
+            dict(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True),
+        ):
+            deltas = [collect(engine, p, SamplingParams(output_kind="delta", **kind_params)) for p in prompts]
+            cumul = [collect(engine, p, SamplingParams(**kind_params)) for p in prompts]
+            results = await asyncio.gather(*deltas, *cumul)
+            for d_outs, c_outs in zip(results[: len(prompts)], results[len(prompts) :]):
+                assert d_outs[-1].finished and c_outs[-1].finished
+                final = {o.index: o for o in c_outs[-1].outputs}
+                text = {i: "" for i in final}
+                tokens = {i: [] for i in final}
+                for out in d_outs:
+                    for o in out.outputs:
+                        text[o.index] += o.text
+                        tokens[o.index] += o.token_ids
+                for i, o in final.items():
+                    assert tokens[i] == o.token_ids
+                    assert text[i] == o.text
+                    assert o.text, "the prompt should produce some text"
+        await assert_idle(engine)
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_abort_storm_with_preemption_leaves_the_engine_clean(tiny):
+    rng = random.Random(3)
+    engine = make_engine(tiny, num_kv_blocks=40, block_size=16, max_num_seqs=16, max_num_batched_tokens=128)
+    prefixes = [random_ids(rng, 16, 40) for _ in range(5)]
+    results: dict[str, dict] = {}
+
+    async def client(i: int) -> None:
+        rid = f"r{i}"
+        suffix = random_ids(rng, 1, 24)
+        ids = (rng.choice(prefixes) + suffix) if rng.random() < 0.6 else random_ids(rng, 2, 60)
+        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(1, 40), ignore_eos=True)
+        action = rng.choice(["full", "full", "abort", "break", "cancel"])
+        await asyncio.sleep(rng.uniform(0, 0.3))
+        res = results[rid] = {"action": action, "outs": [], "ended": False, "max_tokens": params.max_tokens}
+        stream = engine.generate({"prompt_token_ids": ids}, params, rid)
+
+        async def consume():
+            async for out in stream:
+                res["outs"].append(out)
+                if action == "break" and len(res["outs"]) >= res.setdefault("break_at", rng.randint(1, 5)):
+                    break
+            res["ended"] = True
+
+        task = asyncio.create_task(consume())
+        if action in ("abort", "cancel"):
+            await asyncio.sleep(rng.uniform(0, 0.2))
+            if action == "abort":
+                await engine.abort(rid)
+                await engine.abort(rid)  # idempotent
+            else:
+                task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            res["ended"] = True
+
+    async def checker(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await engine.check_integrity()
+            await asyncio.sleep(0.02)
+
+    async def main():
+        stop = asyncio.Event()
+        check_task = asyncio.create_task(checker(stop))
+        await asyncio.gather(*(client(i) for i in range(200)))
+        stop.set()
+        await check_task
+        await engine.abort("r0")  # finished long ago: a no-op
+        await engine.abort("never-seen")
+        await assert_idle(engine)
+
+    run(main())
+    assert engine.engine.scheduler.num_preemptions > 0, "the KV budget must force preemption"
+    counts = {"abort": 0, "aborted-late": 0}
+    for rid, res in results.items():
+        assert res["ended"], rid
+        outs = res["outs"]
+        if res["action"] == "full":
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+            assert len(outs[-1].outputs[0].token_ids) == res["max_tokens"]
+        elif res["action"] == "abort":
+            final = outs[-1]
+            assert final.finished and all(o.finished for o in final.outputs)
+            reason = final.outputs[0].finish_reason
+            assert reason in ("abort", "length"), reason  # "length": it finished before the abort landed
+            counts["abort" if reason == "abort" else "aborted-late"] += 1
+            assert sum(o.finished for o in outs) == 1, "exactly one final output"
+        m = engine.request_metrics(rid)
+        assert m is not None and m.finish_time is not None, rid
+        if res["action"] in ("break", "cancel"):
+            # "length" when the request had already finished (its final output unread) at the break
+            assert m.finish_reason in ("abort", "length"), rid
+            counts["left-early-" + m.finish_reason] = counts.get("left-early-" + m.finish_reason, 0) + 1
+    print(counts, engine.stats())
+    assert counts["abort"] > 10 and counts.get("left-early-abort", 0) > 10, counts
+    run(engine.shutdown())
+
+
+def test_abort_lands_within_one_step_in_every_state(tiny):
+    # max_num_seqs=2 keeps some requests waiting; a small token budget keeps a long prompt mid-prefill.
+    engine = make_engine(tiny, max_num_seqs=2, max_num_batched_tokens=32)
+    rng = random.Random(4)
+
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        decode_stream = engine.generate({"prompt_token_ids": random_ids(rng, 4, 4)}, params, "decoding")
+        long_stream = engine.generate({"prompt_token_ids": random_ids(rng, 300, 300)}, params, "prefilling")
+        waiting_stream = engine.generate({"prompt_token_ids": random_ids(rng, 8, 8)}, params, "waiting")
+        streams = {"prefilling": long_stream, "decoding": decode_stream, "waiting": waiting_stream}
+        received: dict[str, list] = {rid: [] for rid in streams}
+        final_step: dict[str, int] = {}
+
+        async def consume(rid):
+            async for out in streams[rid]:
+                received[rid].append(out)
+                if out.finished:
+                    final_step[rid] = engine.engine.num_steps
+
+        tasks = [asyncio.create_task(consume(rid)) for rid in streams]
+        while len(received["decoding"]) < 3:
+            await asyncio.sleep(0.001)
+        seq = engine.engine.requests["prefilling"].seqs[0]  # a racy read, but only of an int
+        assert 0 < seq.num_computed_tokens < 300, "the long prompt must be mid chunked-prefill"
+        assert engine.engine.requests["waiting"].seqs[0].num_computed_tokens == 0
+        for rid in ("waiting", "prefilling", "decoding"):  # waiting first: the others would free its slot
+            at_abort = engine.engine.num_steps
+            await engine.abort(rid)
+            m = engine.request_metrics(rid)
+            assert m.finish_step - at_abort <= 1 and m.finish_step - m.abort_step <= 1, (rid, at_abort, m)
+        await asyncio.gather(*tasks)
+        for rid in streams:
+            final = received[rid][-1]
+            assert final.finished and final.outputs[0].finish_reason == "abort", rid
+        assert received["waiting"] == [received["waiting"][-1]] and received["waiting"][0].outputs[0].token_ids == []
+        await assert_idle(engine)
+
+        # a request aborted before the loop ever added it ends at once, with no step at all
+        steps = engine.engine.num_steps
+        stream = engine.generate("hello", params, "never-started")
+        await engine.abort("never-started")
+        outs = [o async for o in stream]
+        assert len(outs) == 1 and outs[0].outputs[0].finish_reason == "abort"
+        assert engine.engine.num_steps == steps
+        await assert_idle(engine)
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_chunked_prefill_keeps_streams_alive(tiny):
+    engine = make_engine(tiny, max_num_batched_tokens=64)
+    rng = random.Random(5)
+
+    async def main():
+        # warm up: the first chunked prefill pays one-time costs (~0.2 s of torch/oneDNN set-up on a CPU)
+        await collect(engine, {"prompt_token_ids": random_ids(rng, 200, 200)}, SamplingParams(max_tokens=2))
+        params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        events: dict[str, list[tuple[float, int]]] = {"a": [], "b": []}
+
+        async def stream(rid):
+            async for out in engine.generate({"prompt_token_ids": random_ids(rng, 8, 8)}, params, rid):
+                events[rid].append((time.perf_counter(), len(out.outputs[0].token_ids)))
+                if out.finished or len(events[rid]) >= 60:
+                    break
+
+        tasks = [asyncio.create_task(stream(rid)) for rid in events]
+        while min(len(e) for e in events.values()) < 10:
+            await asyncio.sleep(0.001)
+        t_submit = time.perf_counter()
+        long_outs = [o async for o in engine.generate({"prompt_token_ids": random_ids(rng, 480, 480)},
+                                                       SamplingParams(temperature=0.0, max_tokens=1), "long")]
+        t_long = time.perf_counter()
+        assert long_outs[-1].finished
+        await asyncio.gather(*tasks)
+
+        for rid, ev in events.items():
+            during = [n for t, n in ev if t_submit <= t <= t_long]
+            # 480 tokens in chunks of 64 - 2 decode tokens: >= 8 steps, each one also decodes this stream
+            assert len(during) >= 7, (rid, during)
+            assert during == list(range(during[0], during[0] + len(during))), "one token per step, no stall"
+            gaps = [t1 - t0 for (t0, _), (t1, _) in zip(ev, ev[1:])]
+            gaps_during = [t1 - t0 for (t0, _), (t1, _) in zip(ev, ev[1:]) if t_submit <= t1 <= t_long]
+            median = statistics.median(gaps)
+            # NOTE: 3x the median gap, plus 50 ms for a noisy shared CPU (a whole 480-token prefill in
+            # one step would be a single long gap; the token-per-step check above is the strict one).
+            assert max(gaps_during) < 3 * median + 0.05, (rid, median, gaps_during)
+        await assert_idle(engine)
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_failing_step_kills_every_stream_and_refuses_new_work(tiny):
+    engine = make_engine(tiny, max_num_seqs=4)
+    rng = random.Random(6)
+
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        streams = [engine.generate({"prompt_token_ids": random_ids(rng, 4, 20)}, params) for _ in range(6)]
+        firsts = [await s.__anext__() for s in streams[:4]]  # 4 running, 2 waiting
+        assert all(not f.finished for f in firsts)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("simulated CUDA error")
+
+        engine.engine.runner.execute = boom  # the instance only: this engine is thrown away
+        for s in streams:
+            with pytest.raises(EngineDeadError) as info:
+                async for _ in s:
+                    pass
+            assert isinstance(info.value.cause, RuntimeError) and "simulated" in str(info.value)
+        assert not engine.is_healthy()
+        with pytest.raises(EngineDeadError):
+            engine.generate("hello", params)
+        with pytest.raises(EngineDeadError):
+            await engine.check_integrity()
+        await engine.abort("anything")  # a no-op, not a hang
+        await engine.shutdown()
+
+    run(main(), timeout=30)
+
+
+def test_event_loop_stays_responsive_during_generation(tiny):
+    engine = make_engine(tiny)
+    rng = random.Random(7)
+
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        gens = [collect(engine, {"prompt_token_ids": random_ids(rng, 200, 300)}, params) for _ in range(8)]
+        gen_task = asyncio.gather(*gens)
+        lateness = []
+        while not gen_task.done():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lateness.append(time.perf_counter() - t0 - 0.01)
+        outs = await gen_task
+        assert all(o[-1].finished for o in outs)
+        assert engine.stats()["num_steps"] >= 150 and len(lateness) > 20
+        assert max(lateness) < 0.2, sorted(lateness)[-5:]
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_validation_happens_before_any_work(tiny):
+    engine = make_engine(tiny, max_model_len=64)
+
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.generate({"prompt_token_ids": [100] * 64}, params, "too-long")
+        with pytest.raises(ValueError, match="empty"):
+            engine.generate("", params)
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.generate({"prompt_token_ids": [10**9]}, params)
+        assert not engine.is_running and engine.engine.num_steps == 0, "nothing may start for a refused request"
+
+        first = engine.generate("hello there", params, "dup")
+        with pytest.raises(ValueError, match="already running"):
+            engine.generate("another prompt", params, "dup")
+        assert (await first.__anext__()).outputs[0].token_ids
+        await engine.abort("dup")  # once abort() returns, the id is free again
+        again = await collect(engine, "hello there", params, "dup")
+        assert again[-1].outputs[0].finish_reason == "length"
+        rest = [o async for o in first]
+        assert rest[-1].outputs[0].finish_reason == "abort"
+
+        # aclose() of a started iterator aborts its request
+        it = engine.generate("bye", params, "closed")
+        await it.__anext__()
+        await it.aclose()
+        await engine.abort("closed")  # waits until the abort has landed
+        assert engine.request_metrics("closed").finish_reason == "abort"
+        await assert_idle(engine)
+
+    run(main())
+
+    # the engine survives its event loop: the next asyncio.run starts a new loop task
+    async def second():
+        outs = await collect(engine, "hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert outs[-1].finished
+        await assert_idle(engine)
+        await engine.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.generate("hello", SamplingParams())
+
+    run(second())
+
+
+def test_event_loop_ending_mid_generation_aborts_live_requests(tiny):
+    engine = make_engine(tiny)
+
+    async def leave_running():
+        stream = engine.generate("hello", SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), "orphan")
+        await stream.__anext__()
+        # asyncio.run returns here with the request still generating
+
+    run(leave_running())
+    assert not engine.is_running
+    m = engine.request_metrics("orphan")
+    assert m.finish_reason == "abort"
+    assert not engine.engine.has_unfinished_requests()
+    engine.engine.check_integrity()
+    run(engine.shutdown())

@@ -296,7 +296,8 @@ class AsyncLLMEngine:
 
     async def _call_between_steps(self, fn: Callable[[], T]) -> T:
         """Run fn on the event-loop thread at the next step boundary (or now, if no loop runs)."""
-        self._check_accepting()
+        if self._dead is not None:
+            raise EngineDeadError(self._dead.cause)  # the LLMEngine's state is unknown: do not touch it
         if not self.is_running:
             return fn()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -37,6 +37,7 @@ class BlockManager:
         # counters for metrics
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_block_copies = 0  # partially matching blocks copied instead of recomputed
 
     @property
     def num_total_blocks(self) -> int:
@@ -100,6 +101,7 @@ class BlockManager:
         """Drop the references that kept the copies' sources alive."""
         if copies:
             self.allocator.decref([c.src for c in copies])
+            self.num_block_copies += len(copies)
 
     def record_admission(self, seq: Sequence, num_cached: int) -> None:
         """Count a prefix-cache query once per admitted (not deferred) sequence."""

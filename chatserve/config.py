@@ -20,6 +20,9 @@ _DTYPES = {
 }
 
 
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts our one Llama-family forward pass needs.
@@ -49,6 +52,10 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
         archs = getattr(hf_config, "architectures", None) or []
         arch = archs[0] if archs else _arch_from_model_type(getattr(hf_config, "model_type", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; chatserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = hf_config.eos_token_id

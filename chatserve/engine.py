@@ -108,11 +108,17 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.source, self.hf_config, self.model_config, cache_cfg, self.dtype, self.device, max_model_len=max_len
         )
+        self.runner.eos_token_ids = tuple(self.eos_token_ids)
         pool = self.runner.pool
         self.max_model_len_note = ""
         if args.max_model_len is None and pool.num_tokens < max_len:
             max_len = pool.num_tokens
             self.max_model_len_note = f" (limited by the KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens)"
+        elif max_len > pool.num_tokens:
+            raise ValueError(
+                f"max_model_len={max_len} needs more KV cache than the pool holds ({pool.num_blocks} blocks = "
+                f"{pool.num_tokens} tokens); raise num_kv_blocks / kv_cache_memory_gb or lower max_model_len"
+            )
         self.max_model_len = max_len
         self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -205,6 +211,8 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
+                if not seq.detokenizer.finished:
+                    seq.detokenizer.flush()  # text held back for a possible stop string is final now
                 self.scheduler.finish(seq)
         return self._make_output(req)
 
@@ -264,14 +272,21 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        update = seq.detokenizer.add_tokens([token])
         n_out = seq.num_output_tokens
         can_stop = n_out >= params.min_tokens
+        # NOTE: a stop token ends generation before its text is added (as in vLLM), unless
+        # include_stop_str_in_output asks for it.
         if can_stop and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif can_stop and params.stop_token_ids and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif can_stop and update.stop_str is not None:
+        if seq.finish_reason is not None:
+            if params.include_stop_str_in_output:
+                seq.detokenizer.add_tokens([token])
+            seq.detokenizer.flush()
+            return
+        update = seq.detokenizer.add_tokens([token])
+        if can_stop and update.stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", update.stop_str
             return  # the detokenizer already cut the text before the stop string
         elif params.max_tokens is not None and n_out >= params.max_tokens:
@@ -294,9 +309,10 @@ class LLMEngine:
             if kind == "delta":
                 text_d, tokens_d = text[seq.sent_text_len :], tokens[seq.sent_token_len :]
                 logprobs_d = None if logprobs is None else logprobs[seq.sent_token_len :]
-                if not text_d and not tokens_d and not seq.is_finished:
+                if not text_d and not tokens_d and (not seq.is_finished or seq.sent_finish):
                     continue
                 seq.sent_text_len, seq.sent_token_len = len(text), len(tokens)
+                seq.sent_finish = seq.is_finished
                 text, tokens, logprobs = text_d, tokens_d, logprobs_d
             else:
                 tokens = list(tokens)

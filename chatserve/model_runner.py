@@ -101,6 +101,7 @@ class ModelRunner:
             self.pool.num_blocks * self.pool.bytes_per_block / 2**20, dtype,
         )
         self.sampler = Sampler()
+        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine; min_tokens holds these back
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
@@ -153,5 +154,6 @@ class ModelRunner:
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [s.generator for s in seqs],
+            eos_token_ids=self.eos_token_ids,
         )
         return sampled, result

@@ -54,6 +54,7 @@ class Sequence:
     # what has been reported to the user already (for delta outputs)
     sent_text_len: int = 0
     sent_token_len: int = 0
+    sent_finish: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

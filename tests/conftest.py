@@ -40,8 +40,11 @@ def hf_default(default_gguf):
 
 
 @pytest.fixture(scope="session")
-def smollm_tokenizer(hf_default):
-    return hf_default[1]
+def smollm_tokenizer(default_gguf):
+    """The real SmolLM2 tokenizer alone (no model): tiny checkpoints reuse it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
 
 
 TINY_ARCHS = {

@@ -11,7 +11,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from chatserve.cache import (
     BlockAllocator,
     CacheStats,
+    MatchResult,
     NoPrefixCache,
+    PartialMatch,
     PrefixCache,
     RadixPrefixCache,
     make_prefix_cache,
@@ -247,6 +249,103 @@ def test_check_integrity_catches_a_missing_holder() -> None:
         c.check_integrity(Counter(table))  # held by a request but not locked
 
 
+# ---- match_partial (copy-on-write of a partially matching block) -----------------
+
+
+def test_partial_at_node_end_picks_the_child_with_the_longest_run() -> None:
+    a, c = make(block_size=4)
+    head = [1, 2, 3, 4]
+    x = cache_tokens(a, c, head + [5, 6, 7, 8])
+    y = cache_tokens(a, c, head + [5, 6, 9, 9])
+    z = cache_tokens(a, c, head + [5, 9, 9, 9, 1, 1, 1, 1])
+    cache_tokens(a, c, head + [7, 7, 7, 7])
+    before = c.stats()
+    for tail, want in [
+        ([5, 6, 7, 0, 0], PartialMatch(x[1], 3)),
+        ([5, 6, 9, 0], PartialMatch(y[1], 3)),
+        ([5, 9, 0], PartialMatch(z[1], 2)),
+        ([5, 6, 7, 8, 0], PartialMatch(x[1], 3)),  # never a whole block: k < block_size
+        ([5, 6], PartialMatch(x[1], 2)),  # the query ends inside the block
+    ]:
+        m = c.match_prefix(head)
+        assert m.num_tokens == 4 and not m.node.key[4:]
+        assert c.match_partial(head + tail, m) == want
+    m = c.match_prefix(head + [5, 0, 0])
+    assert c.match_partial(head + [5, 0, 0], m).num_tokens == 1  # a tie: any of the three
+    assert c.stats() == before
+    c.check_integrity({})
+
+
+def test_partial_mid_edge_looks_at_the_nodes_next_block_without_splitting() -> None:
+    a, c = make(block_size=4)
+    r = c.insert(list(range(1, 13)), a.allocate(3))
+    a.decref(r.block_ids)
+    node = r.node
+    # a match that stops at a block boundary inside the node's edge
+    m = MatchResult(r.block_ids[:1], 4, node)
+    assert c.match_partial([1, 2, 3, 4, 5, 6, 0, 0], m) == PartialMatch(r.block_ids[1], 2)
+    m = MatchResult(r.block_ids[:2], 8, node)
+    assert c.match_partial([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], m) == PartialMatch(r.block_ids[2], 3)
+    assert c.match_partial([1, 2, 3, 4, 5, 6, 7, 8, 0], m) is None
+    assert len(node.block_ids) == 3 and node.key == tuple(range(1, 13))  # no split
+    # the same through match_prefix (which splits, so it ends at a node's end)
+    m = c.match_prefix([1, 2, 3, 4, 5, 6, 0])
+    assert m.num_tokens == 4 and len(m.node.block_ids) == 1
+    assert c.match_partial([1, 2, 3, 4, 5, 6, 0], m) == PartialMatch(r.block_ids[1], 2)
+    c.check_integrity({})
+
+
+def test_partial_no_match() -> None:
+    a, c = make(block_size=4)
+    empty = c.match_prefix([1, 2, 3])
+    assert c.match_partial([1, 2, 3], empty) is None  # empty tree
+    cache_tokens(a, c, [1, 2, 3, 4, 5, 6, 7, 8])
+    m = c.match_prefix([1, 2, 3, 4, 9, 9])
+    assert m.num_tokens == 4
+    assert c.match_partial([1, 2, 3, 4, 9, 9], m) is None  # first token differs
+    assert c.match_partial([1, 2, 3, 4], c.match_prefix([1, 2, 3, 4])) is None  # nothing after the match
+    m = c.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 1])
+    assert m.num_tokens == 8 and c.match_partial([1, 2, 3, 4, 5, 6, 7, 8, 1], m) is None  # at a leaf
+    m = c.match_prefix([2, 2])
+    assert m.node is c.root and c.match_partial([2, 2], m) is None
+    assert c.match_partial([1, 2], m) == PartialMatch(c.match_prefix([1, 2, 3, 4]).block_ids[0], 2)  # from the root
+
+
+def test_partial_touches_the_candidate_for_lru() -> None:
+    a, c = make(block_size=4)
+    x = cache_tokens(a, c, [1, 2, 3, 4])
+    y = cache_tokens(a, c, [5, 6, 7, 8])  # y is newer: x would go first
+    p = c.match_partial([1, 2, 0], c.match_prefix([1, 2, 0]))
+    assert p == PartialMatch(x[0], 2)
+    assert c.evict(1) == 1
+    assert c.match_prefix([1, 2, 3, 4, 0]).block_ids == x  # y went instead
+    assert c.match_prefix([5, 6, 7, 8, 0]).block_ids == []
+    del y
+
+
+def test_pinned_source_of_a_pending_copy_in_integrity_check() -> None:
+    a, c = make(block_size=4)
+    x = cache_tokens(a, c, [1, 2, 3, 4])
+    p = c.match_partial([1, 2, 0], c.match_prefix([1, 2, 0]))
+    a.incref([p.block_id])  # the engine pins the source until the copy is done
+    dst = a.allocate(1)
+    c.check_integrity(Counter(dst), pinned_refs={p.block_id: 1})
+    with pytest.raises(AssertionError):
+        c.check_integrity(Counter(dst))
+    assert c.evict(4) == 0  # pinned: cannot be freed
+    a.decref([p.block_id])
+    a.decref(dst)
+    c.check_integrity({})
+    assert c.evict(4) == 1 and x
+
+
+def test_no_prefix_cache_has_no_partial_match() -> None:
+    a = BlockAllocator(8)
+    c = NoPrefixCache(a, 4)
+    m = c.match_prefix([1, 2, 3])
+    assert c.match_partial([1, 2, 3], m) is None
+
+
 # ---- NoPrefixCache --------------------------------------------------------------
 
 
@@ -425,6 +524,20 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(tokens)
         for i, b in enumerate(m.block_ids):
             assert self.content[b] == tuple(tokens[: (i + 1) * self.bs])
+        # the partial match is the tree block at the next position sharing the most tokens
+        p = self.cache.match_partial(tokens, m)
+        n, rest = m.num_tokens, tuple(tokens[m.num_tokens : m.num_tokens + self.bs - 1])
+        best = 0
+        for b in self.cache._tree_blocks:
+            held = self.content[b]
+            if len(held) == n + self.bs and held[:n] == tuple(tokens[:n]):
+                k = next((i for i, (u, v) in enumerate(zip(held[n:], rest)) if u != v), min(len(rest), self.bs))
+                best = max(best, k)
+        if p is None:
+            assert best == 0
+        else:
+            assert 1 <= p.num_tokens == best < self.bs
+            assert self.content[p.block_id][: n + p.num_tokens] == tuple(tokens[: n + p.num_tokens])
 
     @rule()
     def reset(self) -> None:

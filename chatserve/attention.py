@@ -45,7 +45,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
     def plain(qp: torch.Tensor) -> torch.Tensor:
         return paged_decode_attention(
             qp, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
-            token_slots=batch.decode_token_slots, mask=batch.decode_mask,
+            max_len=batch.decode_max_len, mask=batch.decode_mask,
         )
 
     if not batch.decode_groups:

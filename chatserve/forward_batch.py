@@ -49,7 +49,7 @@ class ForwardBatch:
     decode_plain_rows: torch.Tensor | None = None  # decodes not in a group; None = all of them
     decode_block_tables: torch.Tensor | None = None  # [Bp, max_blocks] of the plain decodes
     decode_context_lens: torch.Tensor | None = None  # [Bp]
-    decode_token_slots: torch.Tensor | None = None  # [Bp, L]
+    decode_max_len: int = 0  # longest context among the plain decodes
     decode_mask: torch.Tensor | None = None  # [Bp, 1, 1, L] or None when lengths are equal
     # extend part: the remaining tokens
     num_extends: int = 0
@@ -68,8 +68,9 @@ class ForwardBatch:
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Pad with each table's own first block: padding then reads finite, written data."""
     width = max(1, max(len(t) for t in tables))
-    padded = [t + [0] * (width - len(t)) for t in tables]
+    padded = [t + [t[0]] * (width - len(t)) for t in tables]
     return torch.tensor(padded, dtype=torch.int64, device=device)
 
 
@@ -178,15 +179,10 @@ def build_forward_batch(
             batch.decode_block_tables = _pad_tables(tables, device)
             batch.decode_context_lens = tensor(ctx)
             max_len = max(ctx)
-            offsets = torch.arange(block_size, dtype=torch.int64, device=device)
-            dec_slots = (batch.decode_block_tables.unsqueeze(-1) * block_size + offsets).reshape(len(plain), -1)[:, :max_len]
+            batch.decode_max_len = max_len
             if len(plain) > 1 and min(ctx) != max_len:
                 valid = torch.arange(max_len, device=device).unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)
                 batch.decode_mask = valid.view(len(plain), 1, 1, max_len)
-                # NOTE: padded positions read a slot the sequence has written (its first), never
-                # unwritten pool memory, which may hold NaN bit patterns that survive masking.
-                dec_slots = torch.where(valid, dec_slots, dec_slots[:, :1])
-            batch.decode_token_slots = dec_slots
 
     # ---- extends ----
     if extend_tokens:

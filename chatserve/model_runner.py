@@ -14,6 +14,8 @@ from .forward_batch import build_forward_batch
 from .model_loader import ModelSource, iter_weights
 from .models import model_class_for
 from .models.rope import RotaryEmbedding
+from chatserve.kernels.cpu_gemv import load_bf16_gemv
+
 from .models.cpu_linear import packed_linear_available
 from .sampler import Sampler, SampleResult
 from .scheduler import ScheduledSeq
@@ -82,14 +84,16 @@ class ModelRunner:
         model.load_weights(iter_weights(source, hf_config, dtype))
         self.model = model.eval()
         self.packed_linears = packed_linear_available(dtype, device)
+        self.linear_impl = "torch F.linear"
         if self.packed_linears:
-            self.model.pack_for_cpu()
+            self.linear_impl = self.model.optimize_for_cpu(load_bf16_gemv())
+        logger.info("matmuls: %s", self.linear_impl)
         self.load_seconds = time.perf_counter() - t0
 
         self.pool = plan_kv_pool(model_config, cache_config, dtype)
         # NOTE: torch.empty, not zeros: pages are touched only as blocks are used, so
-        # the resident memory grows with use and never past the budget. Unwritten
-        # slots are never read: padded gathers point at a written slot.
+        # the resident memory grows with use and never past the budget. Each block is
+        # zeroed on its first use (`_zero_fresh_blocks`), so no read ever sees garbage.
         self.kv_cache = torch.empty(
             (model_config.num_layers, 2, self.pool.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim),
             dtype=dtype,
@@ -100,6 +104,7 @@ class ModelRunner:
             self.pool.num_blocks, self.block_size, self.pool.num_tokens,
             self.pool.num_blocks * self.pool.bytes_per_block / 2**20, dtype,
         )
+        self._block_ready = bytearray(self.pool.num_blocks)  # 1 once a block has been zeroed or copied into
         self.sampler = Sampler()
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine; min_tokens holds these back
 
@@ -117,6 +122,26 @@ class ModelRunner:
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for c in copies:
+            self._block_ready[c[1]] = 1
+
+    def _zero_fresh_blocks(self, scheduled: list[ScheduledSeq]) -> None:
+        """Zero each block the first time it is written to.
+
+        # NOTE: the pool is allocated uninitialised so that its pages are touched only
+        # as they are used. Decode attention copies whole blocks and masks the tail, so
+        # a tail must never hold NaN bit patterns (0 x NaN = NaN survives masking).
+        """
+        fresh = []
+        bs = self.block_size
+        for s in scheduled:
+            table = s.seq.block_table
+            for b in table[s.seq.num_computed_tokens // bs :]:
+                if not self._block_ready[b]:
+                    self._block_ready[b] = 1
+                    fresh.append(b)
+        if fresh:
+            self.kv_cache[:, :, torch.tensor(fresh, dtype=torch.long, device=self.device)] = 0
 
     @torch.inference_mode()
     def execute(
@@ -128,6 +153,7 @@ class ModelRunner:
         Returns the sequences that got a new token (in order) and the sample result.
         """
         self.copy_blocks(copies)
+        self._zero_fresh_blocks(scheduled)
         # A one-token chunk that ends the sequence is a decode; anything else is an extend.
         decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.completes_prompt]
         extends = [s for s in scheduled if not (s.num_new_tokens == 1 and s.completes_prompt)]

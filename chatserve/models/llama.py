@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
+
 from ..attention import paged_attention
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .cpu_linear import PackedLinear, pack_linears
+from .cpu_linear import Gemv, GemvLinear, PackedLinear, pack_linears, replace_linears
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -116,6 +118,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
         self.packed_lm_head: PackedLinear | None = None
+        self.gemv: Gemv | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -129,18 +132,30 @@ class LlamaFamilyForCausalLM(nn.Module):
             h = layer(h, batch, kv_cache[i, 0], kv_cache[i, 1])
         h = h.index_select(0, batch.logits_indices)
         h = self.norm(h)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.gemv is not None and h.shape[0] <= MAX_GEMV_ROWS:
+            return self.gemv(h, weight, None).float()
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
 
-    def pack_for_cpu(self) -> None:
-        """Switch every matmul (lm_head included, also when tied) to oneDNN-packed bf16 weights."""
-        pack_linears(self.layers)
+    def optimize_for_cpu(self, gemv: Gemv | None) -> str:
+        """Pick the fastest bf16 matmuls this CPU offers; returns which, for the log.
+
+        With the gemv kernel, layers keep plain weights (gemv up to 8 rows, oneDNN
+        through F.linear above) and only the lm_head gets an extra packed copy for
+        big batches. Without it, every matmul uses oneDNN-packed weights.
+        """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = PackedLinear(weight, None)
+        if gemv is not None:
+            self.gemv = gemv
+            replace_linears(self.layers, lambda lin: GemvLinear(lin.weight, lin.bias, gemv))
+            return "avx512-bf16 gemv (<= 8 rows) + oneDNN"
+        pack_linears(self.layers)
         if self.lm_head is not None:
             self.lm_head = None  # the packed copy replaces it
+        return "oneDNN prepacked"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled."""

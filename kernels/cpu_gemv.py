@@ -46,7 +46,9 @@ def load_bf16_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | Non
         ext = load(
             name="chatserve_bf16_gemv",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16"],
+            # -fopenmp: at::parallel_for is inlined from headers and is serial without it
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
         fn = ext.bf16_gemv

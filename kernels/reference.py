@@ -140,10 +140,18 @@ def extend_attention_dense(
     if num_new == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     total = prefix_len + num_new
-    q_pos = torch.arange(prefix_len, total, device=q.device).unsqueeze(1)
     k_pos = torch.arange(total, device=q.device).unsqueeze(0)
-    mask = k_pos <= q_pos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        # NOTE: fold the query heads sharing a KV head into rows (row = token * rep + head), so
+        # K/V are not repeated per query head; the causal mask repeats per row instead.
+        num_heads, head_dim, kvh = q.shape[1], q.shape[3], k.shape[1]
+        rep = num_heads // kvh
+        qf = q[0].reshape(kvh, rep, num_new, head_dim).transpose(1, 2).reshape(1, kvh, num_new * rep, head_dim)
+        q_pos = torch.arange(prefix_len, total, device=q.device).repeat_interleave(rep).unsqueeze(1)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=k_pos <= q_pos, scale=scale)
+        return out[0].reshape(kvh, num_new, rep, head_dim).transpose(1, 2).reshape(1, num_heads, num_new, head_dim)
+    q_pos = torch.arange(prefix_len, total, device=q.device).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scale)
 
 
 # ---------------------------------------------------------------------------

@@ -67,9 +67,10 @@ def test_paged_decode_matches_dense(block_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_extend_matches_dense_for_ragged_batches(dtype):
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_paged_extend_matches_dense_for_ragged_batches(dtype, heads):
     torch.manual_seed(1)
-    bs, h, kvh, d = 16, 4, 4, 16
+    (h, kvh), bs, d = heads, 16, 16
     k_cache, v_cache = make_cache(40, bs, kvh, d, dtype)
     specs = [(0, 20), (16, 9), (35, 1), (48, 30)]  # (cached prefix, new tokens)
     tables, nxt = [], 0

@@ -118,3 +118,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # While any sequence is decoding, each prefill advances by at most this many tokens a step,
+    # so a long prompt never stalls running streams (on the 2-core dev box a 96-token chunk
+    # costs about one decode step); prompts shorter than this are unaffected.
+    max_prefill_tokens_while_decoding: int = 96

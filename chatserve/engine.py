@@ -42,6 +42,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_while_decoding: int = 96
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
@@ -54,6 +55,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -122,7 +125,8 @@ class LLMEngine:
         self.max_model_len = max_len
         self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len), self.block_manager
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, args.max_prefill_tokens_while_decoding),
+            self.block_manager,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

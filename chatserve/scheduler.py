@@ -63,12 +63,20 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        # NOTE: while anyone is decoding, each prefill advances by at most `chunk` tokens a step, so a
+        # long prompt is spread over many steps instead of stalling the running streams; short
+        # prompts (a burst of chat turns) still go whole.
+        decoding = any(s.num_uncomputed_tokens == 1 for s in self.running)
+        chunk = self.config.max_prefill_tokens_while_decoding if decoding else budget
 
         # 1. running sequences, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            if seq.num_uncomputed_tokens == 1:
+                n = 1
+            else:
+                n = min(seq.num_uncomputed_tokens, budget, chunk)
             while not self.blocks.allocate(seq, n):
                 victim = self._pick_victim(scheduled_ids)
                 if victim is None:
@@ -100,7 +108,7 @@ class Scheduler:
                 continue
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, chunk)
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq, keep_in_cache=False)
                 self.waiting.appendleft(seq)

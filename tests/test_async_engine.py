@@ -335,7 +335,10 @@ def test_event_loop_stays_responsive_during_generation(tiny):
         outs = await gen_task
         assert all(o[-1].finished for o in outs)
         assert engine.stats()["num_steps"] >= 150 and len(lateness) > 20
-        assert max(lateness) < 0.2, sorted(lateness)[-5:]
+        # NOTE: one-off stalls (a oneDNN kernel JIT-compiled for a new batch shape while the step
+        # thread holds the GIL, a GC pass) are bounded loosely; typical lateness must stay tiny.
+        assert max(lateness) < 0.5, sorted(lateness)[-5:]
+        assert sorted(lateness)[int(0.95 * len(lateness))] < 0.05, sorted(lateness)[-5:]
         await engine.shutdown()
 
     run(main())

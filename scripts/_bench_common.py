@@ -188,3 +188,39 @@ def format_table(
         if n == 0:
             lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+def run_worker_process(
+    script: str, engine: str, spec_path: str, threads: int, timeout: float, result_marker: str,
+    extra_args: list[str] | None = None,
+) -> dict[str, Any]:
+    """Run `script --worker ENGINE --spec PATH` in a fresh process and parse its one JSON result line.
+
+    A fresh process per engine gives each its own peak RSS and a cold start; stderr passes
+    through so either engine's traceback shows as is.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TQDM_DISABLE", "1")  # progress bars would only clutter the log
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    cmd = [sys.executable, os.path.abspath(script), "--worker", engine, "--spec", spec_path, *(extra_args or [])]
+    print(f"[bench:main] starting {engine} worker: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"engine": engine, "error": f"timed out after {timeout}s"}
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(result_marker):
+            result = json.loads(line[len(result_marker) :])
+        elif line.strip():
+            print(f"[{engine} stdout] {line}", file=sys.stderr)
+    if result is None:
+        return {"engine": engine, "error": f"worker exited {proc.returncode} without a result"}
+    return result

@@ -259,26 +259,7 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_worker(engine: str, spec_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TQDM_DISABLE", "1")  # progress bars would only clutter the log
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(args.threads)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--spec", spec_path]
-    _log("main", f"starting {engine} worker: {' '.join(cmd)}")
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"engine": engine, "error": f"timed out after {args.timeout}s"}
-    result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = json.loads(line[len(RESULT_MARKER) :])
-        elif line.strip():
-            print(f"[{engine} stdout] {line}", file=sys.stderr)
-    if result is None:
-        return {"engine": engine, "error": f"worker exited {proc.returncode} without a result"}
-    return result
+    return bc.run_worker_process(__file__, engine, spec_path, args.threads, args.timeout, RESULT_MARKER, None)
 
 
 def busy_warning() -> str | None:

@@ -13,6 +13,8 @@ slots, padding masks) is done once per forward by the caller and passed in as
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -139,19 +141,30 @@ def extend_attention_dense(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if num_new == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
-    total = prefix_len + num_new
-    k_pos = torch.arange(total, device=q.device).unsqueeze(0)
     if gqa:
         # NOTE: fold the query heads sharing a KV head into rows (row = token * rep + head), so
         # K/V are not repeated per query head; the causal mask repeats per row instead.
         num_heads, head_dim, kvh = q.shape[1], q.shape[3], k.shape[1]
         rep = num_heads // kvh
         qf = q[0].reshape(kvh, rep, num_new, head_dim).transpose(1, 2).reshape(1, kvh, num_new * rep, head_dim)
-        q_pos = torch.arange(prefix_len, total, device=q.device).repeat_interleave(rep).unsqueeze(1)
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=k_pos <= q_pos, scale=scale)
+        mask = _offset_causal_mask(prefix_len, num_new, rep, q.dtype, q.device)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
         return out[0].reshape(kvh, num_new, rep, head_dim).transpose(1, 2).reshape(1, num_heads, num_new, head_dim)
-    q_pos = torch.arange(prefix_len, total, device=q.device).unsqueeze(1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos, scale=scale)
+    mask = _offset_causal_mask(prefix_len, num_new, 1, q.dtype, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@functools.lru_cache(maxsize=4)
+def _offset_causal_mask(prefix_len: int, num_new: int, rep: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [num_new * rep, prefix_len + num_new]: row t*rep+h sees keys up to prefix_len + t.
+
+    Cached: every layer of a forward pass uses the same one, and building it (plus SDPA's own
+    bool-to-additive conversion) per layer cost about as much as the attention of a short chunk.
+    """
+    total = prefix_len + num_new
+    q_pos = torch.arange(prefix_len, total, device=device).repeat_interleave(rep).unsqueeze(1)
+    allowed = torch.arange(total, device=device).unsqueeze(0) <= q_pos
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 # ---------------------------------------------------------------------------

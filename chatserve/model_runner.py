@@ -14,7 +14,7 @@ from .forward_batch import build_forward_batch
 from .model_loader import ModelSource, iter_weights
 from .models import model_class_for
 from .models.rope import RotaryEmbedding
-from chatserve.kernels.cpu_gemv import load_bf16_gemv
+from chatserve.kernels.cpu_gemv import load_cpu_kernels
 
 from .models.cpu_linear import packed_linear_available
 from .sampler import Sampler, SampleResult
@@ -86,7 +86,7 @@ class ModelRunner:
         self.packed_linears = packed_linear_available(dtype, device)
         self.linear_impl = "torch F.linear"
         if self.packed_linears:
-            self.linear_impl = self.model.optimize_for_cpu(load_bf16_gemv())
+            self.linear_impl = self.model.optimize_for_cpu(load_cpu_kernels())
         logger.info("matmuls: %s", self.linear_impl)
         self.load_seconds = time.perf_counter() - t0
 

@@ -6,8 +6,8 @@ SmolLM2-sized weight set (cold caches): oneDNN's bf16 path 13 GB/s, this kernel
 21 GB/s at batch 1 (the same as MKL's fp32 sgemv, on half the bytes).
 
 The extension is built once per machine with torch's cpp_extension (ninja and a
-C++ compiler) and cached; if anything is missing, `load_bf16_gemv` returns None
-and callers use `F.linear`.
+C++ compiler) and cached; if anything is missing, `load_cpu_kernels` returns None
+and callers use torch ops.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,8 +37,14 @@ def cpu_has_avx512_bf16() -> bool:
     return False
 
 
-def load_bf16_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
-    """The compiled `bf16_gemv(x[M<=8, K], w[N, K], bias[N] | None) -> y[M, N]`, or None."""
+@dataclass(frozen=True)
+class CpuKernels:
+    gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x[M<=8, K] . w[N, K]^T (+ bias)
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # bf16 rows [M, D], weight [D], eps
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, verified on this machine, or None (callers then use torch ops)."""
     if os.environ.get("CHATSERVE_DISABLE_GEMV") == "1" or not cpu_has_avx512_bf16():
         return None
     try:
@@ -52,6 +59,7 @@ def load_bf16_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | Non
             verbose=False,
         )
         fn = ext.bf16_gemv
+        _verify_rms_norm(ext.rms_norm_bf16)
         # prove it on this machine before trusting it
         w = torch.randn(96, 80).to(torch.bfloat16)
         b = torch.randn(96).to(torch.bfloat16)
@@ -61,7 +69,15 @@ def load_bf16_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | Non
             if not torch.allclose(fn(x, w, b).float(), ref, atol=0.05 * float(ref.abs().max()) + 0.05):
                 logger.warning("bf16 gemv kernel gave wrong results; using F.linear")
                 return None
-        return fn
+        return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16)
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
         return None
+
+
+def _verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    w = (torch.rand(96) + 0.5).to(torch.bfloat16)
+    ref = torch.nn.functional.rms_norm(x.float(), (96,), w.float(), 1e-5)
+    if not torch.allclose(rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=2e-2):
+        raise RuntimeError("rms_norm kernel gave wrong results")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
+from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, CpuKernels
 
 from ..attention import paged_attention
 from ..config import ModelConfig
@@ -29,10 +29,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fast = None  # a C++ bf16 RMSNorm, set by LlamaFamilyForCausalLM.optimize_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != torch.float32:
+            if self.fast is not None and x.dim() == 2:
+                return self.fast(x, self.weight, self.eps)
             # one fused op; differs from the formula below by at most one bf16 ulp
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
@@ -139,7 +142,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             return self.packed_lm_head(h).float()
         return F.linear(h, weight).float()
 
-    def optimize_for_cpu(self, gemv: Gemv | None) -> str:
+    def optimize_for_cpu(self, kernels: CpuKernels | None) -> str:
         """Pick the fastest bf16 matmuls this CPU offers; returns which, for the log.
 
         With the gemv kernel, layers keep plain weights (gemv up to 8 rows, oneDNN
@@ -148,10 +151,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = PackedLinear(weight, None)
-        if gemv is not None:
-            self.gemv = gemv
+        if kernels is not None:
+            gemv = self.gemv = kernels.gemv
             replace_linears(self.layers, lambda lin: GemvLinear(lin.weight, lin.bias, gemv))
-            return "avx512-bf16 gemv (<= 8 rows) + oneDNN"
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.fast = kernels.rms_norm
+            return "avx512-bf16 gemv (<= 8 rows) + oneDNN; C++ RMSNorm"
         pack_linears(self.layers)
         if self.lm_head is not None:
             self.lm_head = None  # the packed copy replaces it

@@ -54,9 +54,8 @@ class BlockManager:
     def match_and_lock(self, seq: Sequence) -> int:
         """Reuse the longest cached prefix of seq's tokens, always leaving the last token to compute.
 
-        Returns the number of tokens served from the cache: whole shared blocks,
-        plus the k leading tokens of a partially matching cached block that will be
-        copied into seq's next (private) block before the next forward pass.
+        Returns the number of tokens served from the cache in whole shared blocks;
+        `reuse_partial_block` may then add the leading tokens of the next block.
         """
         assert not seq.block_table and seq.cache_node is None
         match = self.cache.match_prefix(seq.token_ids[:-1])
@@ -66,12 +65,17 @@ class BlockManager:
         seq.block_table = list(match.block_ids)
         seq.num_computed_tokens = match.num_tokens
         seq.num_published_blocks = len(match.block_ids)
-        return match.num_tokens + self._reuse_partial_block(seq, match)
+        return match.num_tokens
 
-    def _reuse_partial_block(self, seq: Sequence, match: MatchResult) -> int:
+    def reuse_partial_block(self, seq: Sequence) -> int:
         """Copy-on-write: start seq's next block as a copy of the cached block that
         shares its first k tokens with seq's, so those k tokens need no prefill.
-        Returns k (0 when nothing matches or no block is free)."""
+
+        Called right after `match_and_lock`, only for a sequence that is being
+        admitted (a deferred one should not take or evict a block). Returns k
+        (0 when nothing matches or no block is free).
+        """
+        match = MatchResult(list(seq.block_table), seq.num_computed_tokens, seq.cache_node)
         # NOTE: matched against tokens[:-1], so the last prompt token is always computed.
         partial = self.cache.match_partial(seq.token_ids[:-1], match)
         if partial is None:

@@ -24,7 +24,7 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +239,7 @@ class LLMEngine:
             if not is_decode:
                 self.num_prefill_tokens_computed += s.num_new_tokens
             s.seq.num_computed_tokens += s.num_new_tokens
-            if s.seq.num_computed_tokens // self.block_manager.block_size > s.seq.num_published_blocks:
-                self.block_manager.publish(s.seq)
+            self.block_manager.publish(s.seq)  # returns at once unless a new full block was computed
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for i, s in enumerate(sampled):

@@ -83,9 +83,8 @@ class ModelRunner:
         model.rotary = RotaryEmbedding(model_config.hf_config, model_config.head_dim, max_model_len).to(device)
         model.load_weights(iter_weights(source, hf_config, dtype))
         self.model = model.eval()
-        self.packed_linears = packed_linear_available(dtype, device)
         self.linear_impl = "torch F.linear"
-        if self.packed_linears:
+        if packed_linear_available(dtype, device):
             self.linear_impl = self.model.optimize_for_cpu(load_cpu_kernels())
         logger.info("matmuls: %s", self.linear_impl)
         self.load_seconds = time.perf_counter() - t0

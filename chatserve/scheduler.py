@@ -99,13 +99,13 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             cached = self.blocks.match_and_lock(seq)
-            # NOTE: the in-flight check looks at whole blocks: drop the copied part of a partial block
-            if self._prefix_in_flight(seq, cached - cached % self.blocks.block_size):
+            if self._prefix_in_flight(seq, cached):
                 # NOTE: a running sequence is computing the next block of this prompt right now;
                 # wait for it to be published instead of computing the same prefix twice.
                 self.blocks.release(seq, keep_in_cache=False)
                 deferred.append(seq)
                 continue
+            cached += self.blocks.reuse_partial_block(seq)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             n = min(seq.num_uncomputed_tokens, budget, chunk)

@@ -9,7 +9,6 @@ from .reference import (
     paged_decode_attention,
     paged_extend_attention,
     store_kv_cache,
-    token_slots_from_block_tables,
 )
 
 __all__ = [
@@ -21,5 +20,4 @@ __all__ = [
     "paged_decode_attention",
     "paged_extend_attention",
     "store_kv_cache",
-    "token_slots_from_block_tables",
 ]

@@ -36,13 +36,6 @@ def store_kv_cache(
     v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
 
 
-def token_slots_from_block_tables(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, max_len] slot of every token position."""
-    offsets = torch.arange(block_size, device=block_tables.device, dtype=torch.int64)
-    slots = block_tables.to(torch.int64).unsqueeze(-1) * block_size + offsets
-    return slots.reshape(block_tables.shape[0], -1)[:, :max_len]
-
-
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """[num_blocks, bs, kvh, d] x [B, nb] -> [B, kvh, max_len, d], copying whole blocks.
 

@@ -16,12 +16,11 @@ def test_long_prompt_does_not_stall_running_streams():
         rng = random.Random(0)
         stamps: dict[str, list[float]] = {"a": [], "b": []}
         long_done = asyncio.Event()
-        long_started = asyncio.Event()
 
         async def stream(rid: str) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, output_kind="delta")
             ids = [rng.randrange(1000, 40000) for _ in range(20)]
-            async for out in engine.generate({"prompt_token_ids": ids}, params, rid):
+            async for _ in engine.generate({"prompt_token_ids": ids}, params, rid):
                 stamps[rid].append(time.perf_counter())
                 if long_done.is_set() and len(stamps[rid]) > 5:
                     break  # leaving early aborts it
@@ -30,8 +29,7 @@ def test_long_prompt_does_not_stall_running_streams():
             await asyncio.sleep(0.5)  # the two streams are decoding by now
             ids = [rng.randrange(1000, 40000) for _ in range(4000)]
             t0 = time.perf_counter()
-            long_started.set()
-            async for out in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), "long"):
+            async for _ in engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), "long"):
                 pass
             long_done.set()
             return {"start": t0, "end": time.perf_counter()}

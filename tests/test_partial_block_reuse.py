@@ -75,12 +75,14 @@ def test_partial_reuse_is_skipped_when_no_block_is_free_and_undone_on_release(fo
     # no free block, and the only cached ones are the match (locked) and the copy source (pinned)
     hog = bm.allocator.allocate(bm.num_free_blocks)
     assert bm.match_and_lock(seq) == 32
+    assert bm.reuse_partial_block(seq) == 0
     assert not bm._pending_copies and len(seq.block_table) == 2
     bm.release(seq, keep_in_cache=False)
     bm.allocator.decref(hog)
     # with room: the copy is pending; an undone admission gives back the pin and the block
     free = bm.num_free_blocks
-    assert bm.match_and_lock(seq) == 40
+    assert bm.match_and_lock(seq) == 32
+    assert bm.reuse_partial_block(seq) == 8
     src, dst, k = bm._pending_copies[seq.seq_id]
     assert k == 8 and seq.block_table[-1] == dst and bm.allocator.ref_count(src) == 2
     llm.engine.check_integrity()

@@ -44,6 +44,7 @@ def test_three_turn_conversation_reuses_whole_history(llm_fp32):
     bs = llm.engine.block_manager.block_size
     llm.engine.block_manager.cache.reset()
     ids = apply_chat_template(tok, [{"role": "user", "content": "Name a fruit."}])
+    history_len = 0  # prompt + reply tokens of the previous turn
     for turn, msg in enumerate(["And a vegetable?", "And a colour?", "Thanks!"]):
         out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=12))[0]
         if turn > 0:

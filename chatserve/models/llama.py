@@ -194,7 +194,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                     _copy(param.narrow(0, start, sizes[shard]), tensor, hf_name)
                     filled.add(f"{name}#{shard}")
         missing = []
-        for name, param in params.items():
+        for name in params:
             if "qkv_proj" in name or "gate_up_proj" in name:
                 n = 3 if "qkv_proj" in name else 2
                 missing += [f"{name}#{i}" for i in range(n) if f"{name}#{i}" not in filled]

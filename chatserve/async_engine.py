@@ -77,6 +77,16 @@ class RequestMetrics:
     # finish_step - abort_step <= 1 (an abort waits at most for the step in flight).
     abort_step: int | None = None
     finish_step: int | None = None
+    # Set when an abort lands: where the request stood ("waiting", "prefilling", "decoding") and how
+    # many KV blocks it gave back (see LLMEngine.describe_request). None if it finished on its own.
+    aborted_in_state: str | None = None
+    blocks_freed: int = 0
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -268,17 +278,19 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self._abort_nowait(stream)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> RequestMetrics | None:
         """Finish a request with finish_reason "abort". Idempotent; unknown or finished ids are a no-op.
 
         Returns once the abort is applied: its stream then holds its final output, and the id may be
-        reused. That happens at the next step boundary: at most one step after this call.
+        reused. That happens at the next step boundary: at most one step after this call. Returns the
+        request's metrics (`aborted_in_state`, `blocks_freed`, ...), or None if it was not live.
         """
         stream = self._streams.get(request_id)
         if stream is None:
-            return
+            return None
         self._abort_nowait(stream)
         await stream.done.wait()
+        return stream.metrics
 
     def _abort_nowait(self, stream: _Stream) -> None:
         if stream.finished or self._dead is not None:
@@ -287,6 +299,7 @@ class AsyncLLMEngine:
             stream.metrics.abort_step = self.engine.num_steps
         if not stream.added:
             # Not in the LLMEngine yet (its add is still queued): finish it here; the loop skips the add.
+            stream.metrics.aborted_in_state = "waiting"
             self._deliver(stream, self._abort_output(stream))
             return
         if not stream.abort_queued:
@@ -380,6 +393,7 @@ class AsyncLLMEngine:
                 stream = op[1]
                 if stream.finished:
                     continue  # it finished in the step that was in flight
+                self._note_abort_state(stream)
                 out = self.engine.abort_request(stream.request_id)
                 self._deliver(stream, out if out is not None else self._abort_output(stream))
             elif kind == "call":
@@ -409,6 +423,10 @@ class AsyncLLMEngine:
             m.num_generated_tokens = num_tokens
         if m.first_token_time is None and any(o.token_ids for o in out.outputs):
             m.first_token_time = out.metrics.get("first_token_time") or now
+        if out.num_cached_tokens:
+            m.num_cached_tokens = out.num_cached_tokens
+        if m.first_scheduled_time is None and out.metrics.get("first_scheduled_time"):
+            m.first_scheduled_time = out.metrics["first_scheduled_time"]
         out.metrics["arrival_time"] = m.arrival_time
         if m.first_token_time is not None:
             out.metrics["first_token_time"] = m.first_token_time
@@ -448,9 +466,19 @@ class AsyncLLMEngine:
         for stream in list(self._streams.values()):
             if stream.finished:
                 continue
+            if stream.added:
+                self._note_abort_state(stream)
+            else:
+                stream.metrics.aborted_in_state = "waiting"
             out = self.engine.abort_request(stream.request_id) if stream.added else None
             self._deliver(stream, out if out is not None else self._abort_output(stream))
         self._stats = self.engine.stats()
+
+    def _note_abort_state(self, stream: _Stream) -> None:
+        info = self.engine.describe_request(stream.request_id)
+        if info is not None:
+            stream.metrics.aborted_in_state = info["status"]
+            stream.metrics.blocks_freed = info["num_blocks"]
 
     def _fail(self, exc: BaseException) -> None:
         """A step raised: the LLMEngine's state is unknown, so never touch it again; fail everything."""

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from .attention import resolve_attention_backend
 from .block_manager import BlockManager
 from .config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
@@ -24,7 +25,7 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,8 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         self.device = _resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        if args.attention_backend == "triton":
-            raise ValueError("attention_backend='triton' is not available yet; use 'auto' or 'torch'")
+        # auto: Triton on CUDA, the torch reference on the CPU; "triton" on the CPU only interpreted
+        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
         self.hf_config = load_hf_config(self.source)
@@ -109,7 +110,8 @@ class LLMEngine:
         cache_cfg = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb, args.enable_prefix_caching)
         max_len = args.max_model_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(
-            self.source, self.hf_config, self.model_config, cache_cfg, self.dtype, self.device, max_model_len=max_len
+            self.source, self.hf_config, self.model_config, cache_cfg, self.dtype, self.device, max_model_len=max_len,
+            attention_backend=self.attention_backend,
         )
         self.runner.eos_token_ids = tuple(self.eos_token_ids)
         pool = self.runner.pool
@@ -341,12 +343,36 @@ class LLMEngine:
             outputs=outs,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
-            metrics={"arrival_time": req.arrival_time, "first_token_time": first.first_token_time or 0.0},
+            metrics={
+                "arrival_time": req.arrival_time,
+                "first_token_time": first.first_token_time or 0.0,
+                "first_scheduled_time": first.first_scheduled_time or 0.0,
+            },
         )
 
     # ---- introspection -------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
+
+    def describe_request(self, request_id: str) -> dict[str, Any] | None:
+        """Where a live request stands, for the cancel endpoint: status and the KV blocks it holds.
+
+        status is "waiting" (not admitted, or preempted back to the queue), "prefilling" (some prompt
+        tokens still uncomputed) or "decoding". num_blocks counts distinct blocks in its block tables:
+        the references an abort gives back (shared prefix blocks stay in the tree, private ones are freed).
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        live = [s for s in req.seqs if not s.is_finished]
+        if not live or all(s.status is SequenceStatus.WAITING for s in live):
+            status = "waiting"
+        elif any(s.num_computed_tokens < s.num_prompt_tokens for s in live):
+            status = "prefilling"
+        else:
+            status = "decoding"
+        blocks = {b for s in live for b in s.block_table}
+        return {"status": status, "num_blocks": len(blocks)}
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity([s for s in self.live_sequences() if s.block_table])

@@ -11,6 +11,8 @@ prefix cache, so resuming it is cheap).
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -115,6 +117,8 @@ class Scheduler:
                 break
             self.blocks.record_admission(seq, cached)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(seq.seq_id)

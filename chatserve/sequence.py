@@ -50,6 +50,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it (queue time ends)
     arrival_time: float = field(default_factory=time.monotonic)
     # what has been reported to the user already (for delta outputs)
     sent_text_len: int = 0

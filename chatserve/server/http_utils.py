@@ -1,0 +1,83 @@
+"""Reading and checking what arrives over HTTP before it reaches pydantic or the engine."""
+
+from __future__ import annotations
+
+import uuid
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from .errors import APIError, bad_request
+from .settings import ServerSettings
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) as soon as it is known to exceed `limit`, without buffering more."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise bad_request("invalid Content-Length header") from None
+        if size > limit:
+            raise APIError(413, f"the request body is {size} bytes; the limit is {limit} bytes", code="body_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _describe(err: ValidationError) -> tuple[str, str | None]:
+    first = err.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "__root__")
+    kind = first.get("type", "")
+    msg = first.get("msg", "invalid value")
+    if kind == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+    if kind == "model_type" and not loc:
+        return "the body must be a JSON object", None
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    more = len(err.errors()) - 1
+    suffix = f" (and {more} more error{'s' if more > 1 else ''})" if more > 0 else ""
+    return (f"{loc}: {msg}{suffix}" if loc else f"{msg}{suffix}"), (loc or None)
+
+
+def parse_model(model: type[M], body: bytes) -> M:
+    """Validate a JSON body into `model`; any problem is a 400 naming the field."""
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        message, param = _describe(exc)
+        raise bad_request(message, param=param) from None
+    except (RecursionError, ValueError) as exc:
+        raise bad_request(f"the body could not be parsed: {exc}") from None
+
+
+async def read_model(request: Request, model: type[M], settings: ServerSettings) -> M:
+    return parse_model(model, await read_body(request, settings.max_body_bytes))
+
+
+def request_id_from(request: Request, settings: ServerSettings) -> str:
+    """The client's X-Request-Id if it is printable ASCII of sane length, else a fresh one."""
+    rid = request.headers.get("x-request-id")
+    if rid is None or rid == "":
+        return uuid.uuid4().hex
+    if len(rid) > settings.request_id_max_len:
+        raise bad_request(f"X-Request-Id is {len(rid)} characters; at most {settings.request_id_max_len} are allowed",
+                          param="X-Request-Id")
+    if not all(33 <= ord(c) < 127 for c in rid):
+        raise bad_request("X-Request-Id must be printable ASCII without spaces", param="X-Request-Id")
+    return rid

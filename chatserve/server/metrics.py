@@ -1,0 +1,117 @@
+"""Prometheus metrics named like vLLM's (`chatserve:` instead of `vllm:`), so dashboards fit.
+
+Each app owns its registry (no module globals), so two apps in one process do not collide.
+Gauges and the prefix-cache counters are read from the engine's stats at scrape time; latency
+histograms and token counters are observed by the routes as requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from chatserve.async_engine import RequestMetrics
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+ABORT_REASONS = ("client_disconnect", "cancel_endpoint", "engine")
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's snapshot (taken at the last step boundary) on every scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Any]:
+        s = self._stats()
+        labels = ["model_name"]
+        values = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"chatserve:{name}", doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"chatserve:{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        total = max(int(s.get("num_total_blocks", 0)), 1)
+        held = total - int(s.get("num_free_blocks", total)) - int(s.get("num_cached_blocks", 0))
+        yield gauge("num_requests_running", "Requests in the running batch.", s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (including not yet added).",
+                    max(s.get("num_waiting", 0), s.get("num_live_requests", 0) - s.get("num_running", 0)))
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (evictable cache excluded).",
+                    max(held, 0) / total)
+        yield gauge("kv_cache_cached_blocks", "KV blocks held only by the prefix cache (evictable).",
+                    s.get("num_cached_blocks", 0))
+        yield gauge("kv_cache_total_blocks", "KV blocks in the pool.", s.get("num_total_blocks", 0))
+        yield gauge("engine_healthy", "1 while the engine loop is alive.", 1.0 if s.get("is_healthy", True) else 0.0)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_queries_tokens", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits_tokens", 0))
+        yield counter("num_preemptions", "Sequences preempted (recomputed later).", s.get("num_preemptions", 0))
+        yield counter("prefill_tokens_computed", "Prompt tokens actually computed (cache hits excluded).",
+                      s.get("num_prefill_tokens_computed", 0))
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+        self.ttft = Histogram("chatserve:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("chatserve:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("chatserve:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("chatserve:request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("chatserve:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter("chatserve:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.requests = Counter("chatserve:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self.aborts = Counter("chatserve:request_aborts", "Aborted requests by cause.", labels + ["reason"], registry=r)
+        for reason in ABORT_REASONS:
+            self.aborts.labels(model_name, reason)
+        for reason in ("stop", "length", "abort"):
+            self.requests.labels(model_name, reason)
+        self.http_errors = Counter("chatserve:http_errors", "Error responses by status.", labels + ["status"], registry=r)
+        r.register(_EngineCollector(stats, model_name))
+
+    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
+        """A delta of num_tokens arrived seconds after the previous one: one ITL sample per token."""
+        if num_tokens <= 0:
+            return
+        per = seconds / num_tokens
+        h = self.itl.labels(self.model_name)
+        for _ in range(num_tokens):
+            h.observe(per)
+
+    def observe_finished(self, m: RequestMetrics, finish_reason: str | None, abort_reason: str | None) -> None:
+        name = self.model_name
+        if m.time_to_first_token is not None:
+            self.ttft.labels(name).observe(m.time_to_first_token)
+        if m.latency is not None:
+            self.e2e.labels(name).observe(m.latency)
+        if m.queue_time is not None:
+            self.queue_time.labels(name).observe(m.queue_time)
+        self.prompt_tokens.labels(name).inc(m.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(m.num_generated_tokens)
+        self.requests.labels(name, finish_reason or "abort").inc()
+        if finish_reason == "abort":
+            self.aborts.labels(name, abort_reason or "engine").inc()
+
+    def observe_error(self, status: int) -> None:
+        self.http_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

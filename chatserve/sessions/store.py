@@ -1,0 +1,218 @@
+"""The SessionStore interface: what the server may rely on, whichever backend runs.
+
+Semantics shared by every store (the contract tests in tests/test_session_store.py hold
+both implementations to them):
+
+- Ids are issued by the store (`create`). An id that is unknown, expired, deleted or not
+  even shaped like one of ours is simply "not found": `get` returns None, `delete`
+  returns False, every other per-session method raises SessionNotFound.
+- A session and all its data share one TTL (`ttl_seconds`), refreshed by `append_turn`
+  and `touch`. Expired sessions vanish from `get` and `list` at once.
+- One turn at a time: `acquire_turn_lock` hands out a token, or raises SessionBusy; the
+  lock expires on its own after `ttl_s` (so a process that dies mid-turn blocks the
+  session only that long); only the token's owner can release or extend it.
+- `append_turn` writes the user message, the assistant message, the new token history,
+  `num_turns`, `updated_at` and the TTL refresh all at once or not at all.
+- Backend failures raise SessionStoreUnavailable (HTTP 503); the same store object works
+  again once the backend is back.
+
+A turn, as the server is expected to run it::
+
+    session = await store.get(sid)                      # None -> 404
+    token = await store.acquire_turn_lock(sid)          # SessionBusy -> 409
+    try:
+        session = await store.get(sid)                  # re-read under the lock
+        history = await store.get_history_tokens(sid)   # [] before the first turn
+        prompt_ids = history + template_user_turn(...) if history else template_first_turn(...)
+        ... generate; call refresh_turn_lock(sid, token) now and then on long replies ...
+        await store.append_turn(
+            sid, Message("user", text), Message("assistant", reply, finish_reason, usage),
+            history_token_ids=prompt_ids + output_ids,   # also for a partial ("abort") reply
+            expected_num_turns=session.num_turns,
+        )
+    finally:
+        await store.release_turn_lock(sid, token)
+
+`turn_lock(sid)` wraps acquire/release in an async context manager.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NamedTuple
+
+from chatserve.sessions.errors import SessionBusy, SessionStoreUnavailable, SessionValidationError
+from chatserve.sessions.models import Message, Session, check_ttl, is_valid_session_id
+
+DEFAULT_SESSION_TTL_S = 24 * 3600  # seconds
+DEFAULT_TURN_LOCK_TTL_S = 120.0
+MAX_LIST_LIMIT = 1000
+
+
+class SessionPage(NamedTuple):
+    """One page of `list`: newest first; pass `sessions[-1].id` as `after` for the next."""
+
+    sessions: list[Session]
+    has_more: bool
+
+
+class SessionStore(abc.ABC):
+    """Async storage of chat sessions. Not thread-safe: use it from one event loop."""
+
+    #: True when sessions survive a restart of the process (Redis), False in memory.
+    persistent: bool = False
+    #: A short name for logs and health output ("redis", "memory").
+    backend: str = ""
+
+    def __init__(self, default_ttl_seconds: float = DEFAULT_SESSION_TTL_S) -> None:
+        self.default_ttl_seconds = check_ttl(default_ttl_seconds, "default_ttl_seconds")
+
+    # --- sessions -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def create(
+        self,
+        *,
+        system_prompt: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        ttl_seconds: float | None = None,
+        defaults: dict[str, Any] | None = None,
+        model: str | None = None,
+    ) -> Session:
+        """Creates a session with no turns (`ttl_seconds` None -> the store's default).
+        Raises SessionValidationError for a bad TTL or non-JSON metadata/defaults."""
+
+    @abc.abstractmethod
+    async def get(self, session_id: str) -> Session | None:
+        """The session, or None if it does not exist."""
+
+    @abc.abstractmethod
+    async def get_with_messages(self, session_id: str) -> tuple[Session, list[Message]] | None:
+        """The session and its messages read consistently in one step (GET /v1/sessions/{id})."""
+
+    @abc.abstractmethod
+    async def list(self, limit: int = 20, after: str | None = None) -> SessionPage:
+        """Live sessions, newest first. `after` is the id of the last session of the previous
+        page (it need not exist any more). Raises SessionValidationError for a limit outside
+        [1, 1000] or an `after` that is not a session id."""
+
+    @abc.abstractmethod
+    async def delete(self, session_id: str) -> bool:
+        """Removes every key of the session (messages, tokens, lock, index entries).
+        True if it existed. A turn in flight then fails to store with SessionNotFound."""
+
+    @abc.abstractmethod
+    async def touch(self, session_id: str) -> Session:
+        """Restarts the session's TTL (all its data) without changing anything else."""
+
+    # --- turns ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def get_messages(self, session_id: str) -> list[Message]:
+        """All messages, oldest first (user, assistant, user, assistant, ...)."""
+
+    @abc.abstractmethod
+    async def get_history_tokens(self, session_id: str) -> list[int]:
+        """The exact token ids of the conversation so far (the last turn's prompt ids plus its
+        generated ids); [] before the first turn. The next prompt is these plus the new turn."""
+
+    @abc.abstractmethod
+    async def append_turn(
+        self,
+        session_id: str,
+        user_message: Message,
+        assistant_message: Message,
+        history_token_ids: Sequence[int],
+        *,
+        expected_num_turns: int | None = None,
+    ) -> Session:
+        """Stores one finished (or aborted) turn atomically and returns the updated session.
+
+        `history_token_ids` replaces the stored history (it must be the whole conversation).
+        With `expected_num_turns`, raises SessionBusy instead of writing if the session has
+        a different number of turns by now (another turn was stored meanwhile).
+        Raises SessionNotFound if the session is gone (nothing is written then),
+        SessionValidationError for bad roles/tokens/non-JSON usage (before writing anything).
+        """
+
+    # --- the per-session turn lock ---------------------------------------------------
+
+    @abc.abstractmethod
+    async def acquire_turn_lock(self, session_id: str, ttl_s: float = DEFAULT_TURN_LOCK_TTL_S) -> str:
+        """Takes the session's turn lock for `ttl_s` seconds and returns its token.
+        Raises SessionBusy if another owner holds it, SessionNotFound if no such session."""
+
+    @abc.abstractmethod
+    async def release_turn_lock(self, session_id: str, token: str) -> bool:
+        """Releases the lock if `token` still owns it; True if it did (False when it expired,
+        was taken over, or the session was deleted)."""
+
+    @abc.abstractmethod
+    async def refresh_turn_lock(self, session_id: str, token: str, ttl_s: float = DEFAULT_TURN_LOCK_TTL_S) -> bool:
+        """Extends the lock to `ttl_s` from now if `token` still owns it; True if it did."""
+
+    @contextlib.asynccontextmanager
+    async def turn_lock(self, session_id: str, ttl_s: float = DEFAULT_TURN_LOCK_TTL_S) -> AsyncIterator[str]:
+        """`async with store.turn_lock(sid) as token:` - acquire, then always release.
+        A failure to release (store unreachable) is ignored: the lock expires by itself."""
+        token = await self.acquire_turn_lock(session_id, ttl_s)
+        try:
+            yield token
+        finally:
+            with contextlib.suppress(SessionStoreUnavailable):
+                await self.release_turn_lock(session_id, token)
+
+    # --- health and lifetime -------------------------------------------------------
+
+    @abc.abstractmethod
+    async def ping(self) -> None:
+        """Returns if the backend answers; raises SessionStoreUnavailable otherwise."""
+
+    async def health(self) -> dict[str, Any]:
+        """{"backend", "persistent", "ok", "error"} for a health endpoint; never raises."""
+        try:
+            await self.ping()
+        except SessionStoreUnavailable as e:
+            return {"backend": self.backend, "persistent": self.persistent, "ok": False, "error": str(e)}
+        return {"backend": self.backend, "persistent": self.persistent, "ok": True, "error": None}
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Releases connections. The store must not be used afterwards."""
+
+
+def check_list_args(limit: int, after: str | None) -> None:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_LIMIT:
+        raise SessionValidationError(f"limit must be an integer in [1, {MAX_LIST_LIMIT}], got {limit!r}")
+    if after is not None and not is_valid_session_id(after):
+        raise SessionValidationError(f"after must be a session id from a previous page, got {after!r}")
+
+
+def check_turn_args(user_message: Message, assistant_message: Message, expected_num_turns: int | None) -> None:
+    if user_message.role != "user":
+        raise SessionValidationError(f"user_message must have role 'user', got {user_message.role!r}")
+    if assistant_message.role != "assistant":
+        raise SessionValidationError(f"assistant_message must have role 'assistant', got {assistant_message.role!r}")
+    if expected_num_turns is not None and (isinstance(expected_num_turns, bool) or not isinstance(expected_num_turns, int)):
+        raise SessionValidationError(f"expected_num_turns must be an int or None, got {expected_num_turns!r}")
+
+
+def busy_error(session_id: str, retry_after: float | None) -> SessionBusy:
+    wait = f" (its lock expires in {retry_after:.1f} s at the latest)" if retry_after is not None else ""
+    return SessionBusy(
+        f"session {session_id!r} already has a turn in progress{wait}; "
+        "wait for that reply to finish, or cancel it, then send the message again",
+        session_id=session_id,
+        retry_after=retry_after,
+    )
+
+
+def changed_error(session_id: str, expected: int, actual: int) -> SessionBusy:
+    return SessionBusy(
+        f"session {session_id!r} changed while this turn ran (expected {expected} stored turns, found {actual}); "
+        "the reply was not stored - read the session again and resend the message",
+        session_id=session_id,
+    )
+

@@ -1,0 +1,625 @@
+"""Contract tests of the session stores: one suite, run against Redis and against memory.
+
+The Redis store runs against a real server: the one on 127.0.0.1:6379 (or
+$CHATSERVE_TEST_REDIS_URL), else a redis-server this module starts. Every test uses its
+own key prefix and checks at teardown that no key under it is left. The outage tests
+start, kill, freeze and restart a redis-server of their own on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from chatserve.sessions import (
+    InMemorySessionStore,
+    Message,
+    RedisSessionStore,
+    SessionBusy,
+    SessionNotFound,
+    SessionStore,
+    SessionStoreUnavailable,
+    SessionValidationError,
+    make_session_store,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# --- Redis servers -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+class RedisProcess:
+    """A throwaway redis-server (no persistence) that tests can kill, freeze and restart."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert REDIS_SERVER is not None
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while not _answers(self.url):
+            assert self.proc.poll() is None, "redis-server exited at startup"
+            assert time.monotonic() < deadline, "redis-server did not answer within 10 s"
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # in case a test froze it
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A Redis to test against: the running one if it answers, else one of our own."""
+    url = os.environ.get("CHATSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if _answers(url):
+        yield url
+        return
+    if REDIS_SERVER is None:
+        pytest.skip(f"no Redis answers at {url} and redis-server is not installed")
+    server = RedisProcess(_free_port())
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisProcess]:
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisProcess(_free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def _keys_under(url: str, prefix: str) -> list[bytes]:
+    with redis.Redis.from_url(url) as client:
+        return sorted(client.scan_iter(match=f"{prefix}*", count=1000))
+
+
+def _assert_no_keys_left(url: str, prefix: str) -> None:
+    """Deletes whatever a test left under its prefix (so a failure does not litter the shared
+    Redis), then fails if there was anything."""
+    left = _keys_under(url, prefix)
+    if left:
+        with redis.Redis.from_url(url) as client:
+            client.delete(*left)
+    assert left == [], f"keys left behind under {prefix!r}"
+
+
+async def _delete_all(store: SessionStore) -> None:
+    while True:
+        page = await store.list(limit=1000)
+        for s in page.sessions:
+            assert await store.delete(s.id)
+        if not page.has_more:
+            return
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"chatserve-test-{uuid.uuid4().hex}:"
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[SessionStore]:
+    if request.param == "memory":
+        mem = InMemorySessionStore()
+        yield mem
+        mem.check_integrity()
+        await mem.close()
+        return
+    url = request.getfixturevalue("redis_url")
+    rs = RedisSessionStore(url, prefix=prefix)
+    try:
+        yield rs
+        # Deleting through the API what the test left must leave no key at all behind:
+        # sessions, messages, tokens, locks and both index zsets (expired ids pruned).
+        await _delete_all(rs)
+    finally:
+        await rs.close()
+    _assert_no_keys_left(url, prefix)
+
+
+@pytest.fixture
+async def redis_store(redis_url: str, prefix: str) -> AsyncIterator[RedisSessionStore]:
+    rs = RedisSessionStore(redis_url, prefix=prefix)
+    try:
+        yield rs
+        await _delete_all(rs)
+    finally:
+        await rs.close()
+    _assert_no_keys_left(redis_url, prefix)
+
+
+def _turn(i: int, finish_reason: str = "stop") -> tuple[Message, Message]:
+    usage = {"prompt_tokens": 10 * i, "completion_tokens": i, "prompt_tokens_details": {"cached_tokens": 5 * i}}
+    return Message("user", f"question {i} ✓ 你好 🙂"), Message("assistant", f"answer {i}", finish_reason, usage)
+
+
+async def _state(store: SessionStore, sid: str) -> tuple[int, list[Message], list[int]]:
+    session = await store.get(sid)
+    assert session is not None
+    return session.num_turns, await store.get_messages(sid), await store.get_history_tokens(sid)
+
+
+# --- the contract, for both stores ----------------------------------------------------------
+
+
+async def test_create_and_get(store: SessionStore) -> None:
+    before = time.time()
+    s = await store.create(
+        system_prompt="You are terse.",
+        metadata={"user": "ana", "tags": ("a", "b")},
+        ttl_seconds=600,
+        defaults={"temperature": 0.2, "max_tokens": 64},
+        model="smollm2",
+    )
+    assert s.id.startswith("sess_") and before - 1 <= s.created_at <= time.time() + 1
+    assert s.updated_at == s.created_at and s.num_turns == 0
+    assert s.metadata == {"user": "ana", "tags": ["a", "b"]}  # what a JSON round trip gives
+    assert await store.get(s.id) == s
+    d = s.to_dict()
+    assert {k: d[k] for k in ("id", "system_prompt", "ttl_seconds", "num_turns", "model")} == {
+        "id": s.id,
+        "system_prompt": "You are terse.",
+        "ttl_seconds": 600,
+        "num_turns": 0,
+        "model": "smollm2",
+    }
+    assert isinstance(d["created_at"], int) and isinstance(d["updated_at"], int)
+    assert d["defaults"] == {"temperature": 0.2, "max_tokens": 64}
+    assert await store.get_messages(s.id) == [] and await store.get_history_tokens(s.id) == []
+    assert await store.get_with_messages(s.id) == (s, [])
+
+    plain = await store.create()
+    assert plain.system_prompt is None and plain.metadata == {} and plain.defaults == {}
+    assert plain.ttl_seconds == store.default_ttl_seconds
+
+    with pytest.raises(SessionValidationError, match="metadata must be JSON-serialisable"):
+        await store.create(metadata={"x": object()})
+    for bad_ttl in (0, -5, float("inf"), "60", True):
+        with pytest.raises(SessionValidationError, match="ttl_seconds"):
+            await store.create(ttl_seconds=bad_ttl)  # type: ignore[arg-type]
+    assert len((await store.list()).sessions) == 2  # the failed creates left nothing
+
+
+async def test_list_newest_first_with_cursor_pagination(store: SessionStore) -> None:
+    ids = [(await store.create(metadata={"i": i})).id for i in range(7)]
+    newest_first = ids[::-1]
+
+    page = await store.list(limit=3)
+    assert [s.id for s in page.sessions] == newest_first[:3] and page.has_more
+    page = await store.list(limit=3, after=page.sessions[-1].id)
+    assert [s.id for s in page.sessions] == newest_first[3:6] and page.has_more
+    page = await store.list(limit=3, after=page.sessions[-1].id)
+    assert [s.id for s in page.sessions] == newest_first[6:] and not page.has_more
+    assert [s.id for s in (await store.list(limit=7)).sessions] == newest_first
+    assert not (await store.list(limit=7)).has_more
+
+    # A cursor keeps its place even when its session is gone meanwhile.
+    assert await store.delete(newest_first[2])
+    page = await store.list(limit=2, after=newest_first[2])
+    assert [s.id for s in page.sessions] == newest_first[3:5]
+    assert [s.id for s in (await store.list(limit=3)).sessions] == [newest_first[0], newest_first[1], newest_first[3]]
+
+    for bad in ({"limit": 0}, {"limit": 1001}, {"limit": 2.5}, {"after": "nope"}, {"after": "x:messages"}):
+        with pytest.raises(SessionValidationError):
+            await store.list(**bad)  # type: ignore[arg-type]
+
+
+async def test_messages_and_token_history_round_trip(store: SessionStore) -> None:
+    s = await store.create(system_prompt="sys")
+    history: list[int] = []
+    for i in range(1, 4):
+        user, assistant = _turn(i, finish_reason="abort" if i == 2 else "stop")
+        prompt = history + [1000 + i, 7, 8, 9]  # stored tokens + the newly templated user turn
+        history = prompt + [i, 2**32 - 1, 0]  # + the generated ids
+        updated = await store.append_turn(s.id, user, assistant, history, expected_num_turns=i - 1)
+        assert updated.num_turns == i and updated.updated_at >= s.updated_at
+        assert await store.get(s.id) == updated
+        assert await store.get_history_tokens(s.id) == history
+
+    messages = await store.get_messages(s.id)
+    assert [m.role for m in messages] == ["user", "assistant"] * 3
+    assert messages[2].content == "question 2 ✓ 你好 🙂"
+    assert messages[3].finish_reason == "abort" and messages[5].finish_reason == "stop"
+    assert messages[5].usage == {"prompt_tokens": 30, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 15}}
+    assert messages[0].finish_reason is None and messages[0].usage is None
+    assert [m.created_at for m in messages] == sorted(m.created_at for m in messages)
+    assert messages[3].to_dict() == {
+        "role": "assistant",
+        "content": "answer 2",
+        "finish_reason": "abort",
+        "usage": messages[3].usage,
+        "created_at": int(messages[3].created_at),
+    }
+    session, same_messages = await store.get_with_messages(s.id)  # type: ignore[misc]
+    assert session.num_turns == 3 and same_messages == messages
+    assert session.system_prompt == "sys"
+
+
+async def test_failed_append_writes_nothing(store: SessionStore) -> None:
+    s = await store.create()
+    await store.append_turn(s.id, *_turn(1), [1, 2, 3])
+    before = await _state(store, s.id)
+    user, assistant = _turn(2)
+    bad_calls = [
+        (user, Message("assistant", "x", "stop", {"unserialisable": object()}), [1, 2]),
+        (user, Message("assistant", "x", "stop", {"nan": float("nan")}), [1, 2]),
+        (user, Message("user", "x"), [1, 2]),
+        (Message("assistant", "x"), assistant, [1, 2]),
+        (Message("user", 42), assistant, [1, 2]),  # type: ignore[arg-type]
+        (user, assistant, [1, -1]),
+        (user, assistant, [1, 2**32]),
+        (user, assistant, [1, "2"]),
+        (user, assistant, []),
+    ]
+    for u, a, tokens in bad_calls:
+        with pytest.raises(SessionValidationError):
+            await store.append_turn(s.id, u, a, tokens)  # type: ignore[arg-type]
+        assert await _state(store, s.id) == before
+
+
+async def test_expected_num_turns_guards_against_lost_updates(store: SessionStore) -> None:
+    s = await store.create()
+    await store.append_turn(s.id, *_turn(1), [1, 2], expected_num_turns=0)
+    with pytest.raises(SessionBusy, match="changed while this turn ran"):
+        await store.append_turn(s.id, *_turn(2), [9, 9, 9], expected_num_turns=0)
+    num_turns, messages, tokens = await _state(store, s.id)
+    assert (num_turns, len(messages), tokens) == (1, 2, [1, 2])
+    await store.append_turn(s.id, *_turn(2), [1, 2, 3])  # without the guard: always appends
+    assert (await store.get(s.id)).num_turns == 2  # type: ignore[union-attr]
+
+
+async def test_turn_lock_busy_expiry_and_owner_only_release(store: SessionStore) -> None:
+    s = await store.create()
+    token = await store.acquire_turn_lock(s.id, ttl_s=0.4)
+    with pytest.raises(SessionBusy, match="already has a turn in progress") as busy:
+        await store.acquire_turn_lock(s.id, ttl_s=5)
+    assert busy.value.session_id == s.id and 0 < busy.value.retry_after <= 0.4  # type: ignore[operator]
+    assert not await store.release_turn_lock(s.id, "not-the-token")
+    assert not await store.refresh_turn_lock(s.id, "not-the-token", ttl_s=5)
+    with pytest.raises(SessionBusy):  # a wrong token released nothing
+        await store.acquire_turn_lock(s.id)
+
+    await asyncio.sleep(0.6)  # the owner "died": the lock expires by itself
+    token2 = await store.acquire_turn_lock(s.id, ttl_s=0.4)
+    assert token2 != token
+    assert not await store.release_turn_lock(s.id, token)  # the old owner cannot free the new lock
+    assert not await store.refresh_turn_lock(s.id, token)
+    assert await store.refresh_turn_lock(s.id, token2, ttl_s=5)
+    await asyncio.sleep(0.6)  # outlives its first ttl thanks to the refresh
+    with pytest.raises(SessionBusy):
+        await store.acquire_turn_lock(s.id)
+    assert await store.release_turn_lock(s.id, token2)
+    assert not await store.release_turn_lock(s.id, token2)
+
+    async with store.turn_lock(s.id, ttl_s=5) as token3:
+        with pytest.raises(SessionBusy):
+            async with store.turn_lock(s.id):
+                pass
+        assert await store.refresh_turn_lock(s.id, token3, ttl_s=5)
+    assert await store.release_turn_lock(s.id, await store.acquire_turn_lock(s.id))
+
+    other = await store.create()  # locks are per session
+    assert await store.release_turn_lock(other.id, await store.acquire_turn_lock(other.id))
+    for bad_ttl in (0, -1, float("nan")):
+        with pytest.raises(SessionValidationError):
+            await store.acquire_turn_lock(s.id, ttl_s=bad_ttl)
+
+
+async def test_ttl_refreshed_by_turns_and_expiry_removes_session(store: SessionStore) -> None:
+    keep = await store.create(ttl_seconds=60)
+    s = await store.create(ttl_seconds=0.6)
+    await asyncio.sleep(0.35)
+    await store.append_turn(s.id, *_turn(1), [1, 2, 3])
+    await asyncio.sleep(0.35)  # 0.7 s after creation: alive only thanks to the refresh
+    assert (await store.get(s.id)).num_turns == 1  # type: ignore[union-attr]
+    touched = await store.touch(s.id)
+    assert touched.num_turns == 1 and touched.expires_at > s.expires_at
+    await asyncio.sleep(0.35)  # 0.7 s after the append: alive only thanks to the touch
+    assert await store.get_history_tokens(s.id) == [1, 2, 3]
+    assert [x.id for x in (await store.list()).sessions] == [s.id, keep.id]
+
+    await asyncio.sleep(0.7)  # now untouched for longer than its TTL
+    assert await store.get(s.id) is None
+    assert await store.get_with_messages(s.id) is None
+    with pytest.raises(SessionNotFound):
+        await store.get_messages(s.id)
+    with pytest.raises(SessionNotFound):
+        await store.append_turn(s.id, *_turn(2), [1])
+    assert [x.id for x in (await store.list()).sessions] == [keep.id]
+    assert not await store.delete(s.id)
+
+
+async def test_delete_removes_the_session_and_its_lock(store: SessionStore, request: pytest.FixtureRequest) -> None:
+    s = await store.create()
+    other = await store.create()
+    await store.append_turn(s.id, *_turn(1), [1, 2, 3])
+    token = await store.acquire_turn_lock(s.id)
+    assert await store.delete(s.id)
+    assert not await store.delete(s.id)
+    assert await store.get(s.id) is None
+    assert [x.id for x in (await store.list()).sessions] == [other.id]
+    assert not await store.release_turn_lock(s.id, token)  # the lock went with the session
+    with pytest.raises(SessionNotFound):  # a turn in flight cannot store into a deleted session
+        await store.append_turn(s.id, *_turn(2), [1, 2, 3, 4])
+    assert await store.get(s.id) is None
+    assert (await store.get(other.id)) is not None
+    if isinstance(store, RedisSessionStore):
+        assert _keys_under(request.getfixturevalue("redis_url"), store.keys(s.id).session) == []
+
+
+UNKNOWN_IDS = ["sess_" + "0" * 25, "sess_" + "f" * 25, "nope", "", "*", "sess_0:messages", "../x"]
+
+
+async def test_unknown_ids(store: SessionStore) -> None:
+    real = await store.create()
+    await store.append_turn(real.id, *_turn(1), [1, 2])
+    token = await store.acquire_turn_lock(real.id)
+    # Ids that name another key of a real session must not reach it.
+    for sid in UNKNOWN_IDS + [real.id + ":messages", real.id + ":tokens", real.id + ":lock", real.id.upper()]:
+        assert await store.get(sid) is None
+        assert await store.get_with_messages(sid) is None
+        assert not await store.delete(sid)
+        assert not await store.release_turn_lock(sid, token)
+        assert not await store.refresh_turn_lock(sid, token)
+        for call in (
+            store.get_messages(sid),
+            store.get_history_tokens(sid),
+            store.touch(sid),
+            store.append_turn(sid, *_turn(2), [1, 2, 3]),
+            store.acquire_turn_lock(sid),
+        ):
+            with pytest.raises(SessionNotFound, match="does not exist") as e:
+                await call
+            assert e.value.session_id == sid
+    assert await _state(store, real.id) == (1, await store.get_messages(real.id), [1, 2])
+    assert await store.release_turn_lock(real.id, token)
+
+
+async def test_ping_and_health(store: SessionStore) -> None:
+    await store.ping()
+    health = await store.health()
+    assert health["ok"] and health["error"] is None
+    assert health["persistent"] is isinstance(store, RedisSessionStore)
+
+
+async def test_factory_chooses_the_store(caplog: pytest.LogCaptureFixture, redis_url: str) -> None:
+    with caplog.at_level(logging.WARNING, logger="chatserve.sessions"):
+        mem = make_session_store(None)
+    assert isinstance(mem, InMemorySessionStore) and not mem.persistent
+    assert "sessions are not persisted" in caplog.text
+    caplog.clear()
+    rs = make_session_store(redis_url, prefix=f"chatserve-test-{uuid.uuid4().hex}:", default_ttl_seconds=30)
+    try:
+        assert isinstance(rs, RedisSessionStore) and rs.persistent and rs.default_ttl_seconds == 30
+        assert "not persisted" not in caplog.text
+        await rs.ping()
+    finally:
+        await rs.close()
+
+
+# --- Redis only ---------------------------------------------------------------------------------
+
+
+async def test_session_survives_a_new_store_object(redis_store: RedisSessionStore, redis_url: str) -> None:
+    s = await redis_store.create(system_prompt="sys", metadata={"k": "v"}, defaults={"top_p": 0.9})
+    for i in range(1, 3):
+        await redis_store.append_turn(s.id, *_turn(i), list(range(10 * i)))
+    expected = await redis_store.get_with_messages(s.id)
+
+    # A new process would do exactly this: a new client, same URL and prefix.
+    fresh = RedisSessionStore(redis_url, prefix=redis_store.prefix)
+    try:
+        assert await fresh.get_with_messages(s.id) == expected
+        assert await fresh.get_history_tokens(s.id) == list(range(20))
+        assert [x.id for x in (await fresh.list()).sessions] == [s.id]
+        await fresh.append_turn(s.id, *_turn(3), list(range(30)), expected_num_turns=2)
+    finally:
+        await fresh.close()
+    assert (await redis_store.get(s.id)).num_turns == 3  # type: ignore[union-attr]
+
+
+class _InterferingStore(RedisSessionStore):
+    """Lands a write of another client between this store's WATCH and its MULTI/EXEC."""
+
+    def __init__(self, *args, interfere, times: int = 1, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.interfere = interfere
+        self.times = times
+
+    async def _after_watch(self, session_id: str) -> None:
+        if self.times > 0:
+            self.times -= 1
+            await self.interfere(session_id)
+
+
+@contextlib.asynccontextmanager
+async def _interfering(redis_url: str, prefix: str, interfere, times: int = 1):  # type: ignore[no-untyped-def]
+    store = _InterferingStore(redis_url, prefix=prefix, interfere=interfere, times=times)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def test_append_racing_a_delete_writes_nothing(redis_store: RedisSessionStore, redis_url: str) -> None:
+    s = await redis_store.create()
+    await redis_store.append_turn(s.id, *_turn(1), [1, 2])
+
+    async def delete(sid: str) -> None:
+        assert await redis_store.delete(sid)
+
+    async with _interfering(redis_url, redis_store.prefix, delete) as racing:
+        with pytest.raises(SessionNotFound):
+            await racing.append_turn(s.id, *_turn(2), [1, 2, 3, 4])
+    # Without WATCH the RPUSH/SET would have re-created the deleted session's keys.
+    assert _keys_under(redis_url, redis_store.keys(s.id).session) == []
+    assert (await redis_store.list()).sessions == []
+
+
+async def test_append_racing_another_turn_is_refused_whole(redis_store: RedisSessionStore, redis_url: str) -> None:
+    s = await redis_store.create()
+
+    async def other_turn(sid: str) -> None:
+        await redis_store.append_turn(sid, Message("user", "other"), Message("assistant", "other", "stop"), [5, 5])
+
+    async with _interfering(redis_url, redis_store.prefix, other_turn) as racing:
+        with pytest.raises(SessionBusy, match="changed while this turn ran"):
+            await racing.append_turn(s.id, *_turn(1), [1, 2, 3], expected_num_turns=0)
+    num_turns, messages, tokens = await _state(redis_store, s.id)
+    assert (num_turns, [m.content for m in messages], tokens) == (1, ["other", "other"], [5, 5])
+
+
+async def test_append_retries_after_a_harmless_concurrent_write(redis_store: RedisSessionStore, redis_url: str) -> None:
+    s = await redis_store.create()
+
+    async def touch(sid: str) -> None:
+        await redis_store.touch(sid)
+
+    async with _interfering(redis_url, redis_store.prefix, touch, times=2) as racing:
+        updated = await racing.append_turn(s.id, *_turn(1), [1, 2, 3], expected_num_turns=0)
+        assert racing.times == 0  # both conflicts happened, and the third attempt went through
+    assert updated.num_turns == 1
+    num_turns, messages, tokens = await _state(redis_store, s.id)
+    assert (num_turns, len(messages), tokens) == (1, 2, [1, 2, 3])  # applied exactly once
+
+
+async def test_all_keys_share_the_ttl_and_index_is_pruned(redis_store: RedisSessionStore, redis_url: str) -> None:
+    s = await redis_store.create(ttl_seconds=30)
+    await redis_store.append_turn(s.id, *_turn(1), [1, 2])
+    k = redis_store.keys(s.id)
+    with redis.Redis.from_url(redis_url) as client:
+        ttls = [client.pttl(key) for key in (k.session, k.messages, k.tokens)]
+        assert all(29_000 < t <= 30_000 for t in ttls), ttls
+        assert client.ttl(f"{redis_store.prefix}sessions") == -1  # the index has no TTL...
+
+        dying = [await redis_store.create(ttl_seconds=0.2) for _ in range(3)]
+        await redis_store.append_turn(dying[0].id, *_turn(1), [1])
+        assert client.zcard(f"{redis_store.prefix}sessions") == 4
+        await asyncio.sleep(0.4)
+        assert [x.id for x in (await redis_store.list(limit=1)).sessions] == [s.id]
+        # ...but listing pruned the expired ids from both index zsets.
+        assert client.zrange(f"{redis_store.prefix}sessions", 0, -1) == [s.id.encode()]
+        assert client.zrange(f"{redis_store.prefix}sessions:expiry", 0, -1) == [s.id.encode()]
+        assert [key for d in dying for key in client.keys(f"{redis_store.prefix}session:{d.id}*")] == []
+
+
+async def test_outage_raises_unavailable_fast_then_recovers(own_redis: RedisProcess) -> None:
+    store = RedisSessionStore(own_redis.url, prefix="chatserve-outage:", socket_timeout=0.5, connect_timeout=0.5)
+    try:
+        s = await store.create()
+        await store.append_turn(s.id, *_turn(1), [1, 2, 3])
+        token = await store.acquire_turn_lock(s.id)
+
+        own_redis.kill()
+        calls = [
+            store.get(s.id),
+            store.get_with_messages(s.id),
+            store.list(),
+            store.create(),
+            store.get_messages(s.id),
+            store.get_history_tokens(s.id),
+            store.append_turn(s.id, *_turn(2), [1, 2, 3, 4]),
+            store.touch(s.id),
+            store.delete(s.id),
+            store.acquire_turn_lock(s.id),
+            store.release_turn_lock(s.id, token),
+            store.refresh_turn_lock(s.id, token),
+            store.ping(),
+        ]
+        for call in calls:
+            start = time.monotonic()
+            with pytest.raises(SessionStoreUnavailable, match="cannot reach Redis at redis://127.0.0.1:"):
+                await call
+            assert time.monotonic() - start < 2.0
+        health = await store.health()
+        assert not health["ok"] and "cannot reach Redis" in health["error"]
+        with pytest.raises(SessionStoreUnavailable):
+            async with store.turn_lock(s.id):
+                pass
+
+        own_redis.start()  # same port, empty (no persistence): the same object works again
+        await store.ping()
+        assert await store.get(s.id) is None
+        s2 = await store.create()
+        await store.append_turn(s2.id, *_turn(1), [4, 5])
+        async with store.turn_lock(s2.id):
+            pass
+        assert [x.id for x in (await store.list()).sessions] == [s2.id]
+        assert await store.get_history_tokens(s2.id) == [4, 5]
+
+        own_redis.kill()  # a quick restart between two calls: the pooled connections are stale,
+        own_redis.start()  # yet the next call succeeds (one reconnecting retry)
+        assert await store.get(s2.id) is None
+        s2 = await store.create()
+        await store.append_turn(s2.id, *_turn(1), [4, 5])
+
+        own_redis.freeze()  # a hung server: the socket timeout bounds the wait
+        start = time.monotonic()
+        with pytest.raises(SessionStoreUnavailable, match="Timeout"):
+            await store.get(s2.id)
+        assert time.monotonic() - start < 2.0
+        own_redis.thaw()
+        assert (await store.get(s2.id)).num_turns == 1  # type: ignore[union-attr]
+        assert (await store.health())["ok"]
+    finally:
+        await store.close()

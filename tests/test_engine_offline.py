@@ -511,3 +511,15 @@ def test_delta_stream_of_chinese_never_splits_a_character(llm_fp32):
     assert len(token_ids) == 24
     assert "".join(d.text for d in deltas) == tok.decode(token_ids, skip_special_tokens=True)
     assert_engine_idle(llm_fp32)
+
+
+def test_bf16_chunked_prefill_steps_without_sampling(tmp_path):
+    """A step made only of prefill chunks samples nothing; the bf16 CPU path (gemv lm_head) must cope
+    with zero rows. Regression: it raised 'M must be in [1, 8]' and killed the server's engine loop."""
+    from chatserve import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16", max_model_len=1024, num_kv_blocks=128, max_num_batched_tokens=16)
+    prompt = "Summarise this: " + "the quick brown fox jumps over the lazy dog " * 8
+    chunked = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(chunked.outputs[0].token_ids) == 4
+    assert len(chunked.prompt_token_ids) > 48  # several chunk-only steps before the first sample

@@ -134,6 +134,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, batch, kv_cache[i, 0], kv_cache[i, 1])
         h = h.index_select(0, batch.logits_indices)
+        if h.shape[0] == 0:  # a step of prefill chunks only: the KV cache is filled, nothing to sample
+            return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.gemv is not None and h.shape[0] <= MAX_GEMV_ROWS:

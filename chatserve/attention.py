@@ -1,10 +1,20 @@
 """Routes one layer's attention through the kernels, as the ForwardBatch describes it.
 
-This is the seam for attention backends: the torch reference ops (CPU path)
-today, Triton kernels on CUDA later, with the same batch metadata.
+This is the seam for attention backends, chosen once per engine
+(`resolve_attention_backend`) and carried by every `ForwardBatch`:
+
+- ``"torch"``: the pure-torch reference ops (the CPU path), with cascade
+  attention for sequences sharing cached prefix blocks;
+- ``"triton"``: the Triton paged kernels (the CUDA path; on the CPU only under
+  Triton's interpreter, for tests). They read K/V through the block tables, so
+  batches carry no cascade groups for them.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Literal
 
 import torch
 
@@ -18,6 +28,48 @@ from chatserve.kernels import (
 
 from .forward_batch import ForwardBatch
 
+logger = logging.getLogger(__name__)
+
+AttentionBackendName = Literal["torch", "triton"]
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> AttentionBackendName:
+    """"auto" -> Triton on CUDA (when installed), the torch reference elsewhere; validate explicit choices."""
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        if device.type != "cuda":
+            return "torch"
+        if importlib.util.find_spec("triton") is None:
+            logger.warning("attention_backend=auto: triton is not installed, using the torch reference on CUDA "
+                           "(pip install triton for the paged kernels)")
+            return "torch"
+        return "triton"
+    if requested != "triton":
+        raise ValueError(f"attention_backend must be auto, torch or triton; got {requested!r}")
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("attention_backend='triton' needs the triton package: pip install triton (Linux), "
+                         "or use attention_backend='torch'")
+    if device.type == "cuda":
+        return "triton"
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend='triton' runs on CUDA devices (or the CPU interpreter), not {device.type!r}")
+    from chatserve.kernels.triton_attention import interpret_requested
+
+    if not interpret_requested():
+        raise ValueError(
+            "attention_backend='triton' on the CPU runs only in Triton's interpreter (slow; meant for tests): "
+            "set TRITON_INTERPRET=1 in the environment before starting, or use attention_backend='auto' or 'torch'"
+        )
+    from chatserve.kernels.triton_attention import is_interpreted
+
+    if not is_interpreted():
+        raise ValueError(
+            "the Triton kernels were compiled for CUDA because TRITON_INTERPRET=1 was set only after "
+            "chatserve.kernels.triton_attention was first imported; set it before that import (e.g. at process start)"
+        )
+    return "triton"
+
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
@@ -28,7 +80,9 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    """Store the new K/V, then attend decodes and extends (grouped by shared prefix where possible)."""
+    """Store the new K/V, then attend decodes and extends."""
+    if batch.attention_backend == "triton":
+        return _triton_attention(q, k, v, k_cache, v_cache, batch, scale)
     store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
     nd = batch.num_decodes
     if batch.num_extends == 0:
@@ -38,6 +92,30 @@ def paged_attention(
     out = torch.empty_like(q)
     out[:nd] = _decode(q[:nd], k_cache, v_cache, batch, scale)
     out[nd:] = _extend(q[nd:], k_cache, v_cache, batch, scale)
+    return out
+
+
+def _triton_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    batch: ForwardBatch, scale: float,
+) -> torch.Tensor:
+    # NOTE: imported here, not at module level: the module decides at import whether its
+    # kernels are compiled or interpreted, and the torch path must not need triton at all.
+    from chatserve.kernels import triton_attention as tk
+
+    tk.store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+    out = torch.empty_like(q)
+    nd = batch.num_decodes
+    if nd:
+        tk.paged_decode_attention(
+            q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
+            max_len=batch.decode_max_len, out=out[:nd],
+        )
+    if batch.num_extends:
+        tk.paged_extend_attention(
+            q[nd:], k_cache, v_cache, batch.extend_block_tables, batch.extend_query_start_loc, batch.extend_seq_lens,
+            scale, max_query_len=batch.extend_max_query_len, out=out[nd:],
+        )
     return out
 
 

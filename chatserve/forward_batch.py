@@ -58,6 +58,9 @@ class ForwardBatch:
     extend_block_tables: torch.Tensor | None = None  # [Ep, max_blocks] of the plain extends
     extend_query_start_loc: torch.Tensor | None = None  # [Ep + 1] offsets within the plain extend tokens
     extend_seq_lens: torch.Tensor | None = None  # [Ep] prefix + new tokens
+    extend_max_query_len: int = 0  # most new tokens of one plain extend (sizes the Triton grid, no sync)
+    # "torch" (reference ops, cascade groups) or "triton" (paged kernels; no groups, no masks)
+    attention_backend: str = "torch"
     # filled by the model once per forward
     rope_cos: torch.Tensor | None = None
     rope_sin: torch.Tensor | None = None
@@ -115,13 +118,20 @@ def build_forward_batch(
     block_size: int,
     device: torch.device,
     min_cascade_blocks: int = MIN_CASCADE_BLOCKS,
+    attention_backend: str = "torch",
 ) -> ForwardBatch:
     """Pack decodes and prefill chunks into flat tensors.
 
     Decode sequence i has one new token at `decode_positions[i]`; extend
     sequence j computes `extend_tokens[j]` starting at position
     `extend_start_positions[j]` (its cached prefix length).
+
+    With ``attention_backend="triton"`` no cascade groups and no padding masks
+    are built: the kernels read each sequence's blocks through its table.
     """
+    triton = attention_backend == "triton"
+    if triton:
+        min_cascade_blocks = 1 << 62  # never group
     input_ids: list[int] = list(decode_tokens)
     positions: list[int] = list(decode_positions)
     slots: list[int] = [table[p // block_size] * block_size + p % block_size for table, p in zip(decode_block_tables, decode_positions)]
@@ -146,6 +156,7 @@ def build_forward_batch(
         logits_indices=tensor(logits_rows),
         num_decodes=len(decode_tokens),
         num_extends=len(extend_tokens),
+        attention_backend=attention_backend,
     )
 
     # ---- decodes ----
@@ -180,7 +191,7 @@ def build_forward_batch(
             batch.decode_context_lens = tensor(ctx)
             max_len = max(ctx)
             batch.decode_max_len = max_len
-            if len(plain) > 1 and min(ctx) != max_len:
+            if not triton and len(plain) > 1 and min(ctx) != max_len:
                 valid = torch.arange(max_len, device=device).unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)
                 batch.decode_mask = valid.view(len(plain), 1, 1, max_len)
 
@@ -217,5 +228,6 @@ def build_forward_batch(
                 qsl.append(qsl[-1] + len(extend_tokens[i]))
             batch.extend_block_tables = _pad_tables([extend_block_tables[i] for i in plain], device)
             batch.extend_query_start_loc = tensor(qsl)
+            batch.extend_max_query_len = max(len(extend_tokens[i]) for i in plain)
             batch.extend_seq_lens = tensor([extend_start_positions[i] + len(extend_tokens[i]) for i in plain])
     return batch

@@ -67,8 +67,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
+        attention_backend: str = "torch",  # resolved: "torch" or "triton" (see attention.resolve_attention_backend)
     ) -> None:
         self.config = model_config
+        self.attention_backend = attention_backend
         self.dtype = dtype
         self.device = device
         self.block_size = cache_config.block_size
@@ -86,7 +88,7 @@ class ModelRunner:
         self.linear_impl = "torch F.linear"
         if packed_linear_available(dtype, device):
             self.linear_impl = self.model.optimize_for_cpu(load_cpu_kernels())
-        logger.info("matmuls: %s", self.linear_impl)
+        logger.info("matmuls: %s; attention: %s", self.linear_impl, attention_backend)
         self.load_seconds = time.perf_counter() - t0
 
         self.pool = plan_kv_pool(model_config, cache_config, dtype)
@@ -166,6 +168,7 @@ class ModelRunner:
             extend_need_logits=[s.completes_prompt for s in extends],
             block_size=self.block_size,
             device=self.device,
+            attention_backend=self.attention_backend,
         )
         sampled = [s for s in decodes + extends if s.completes_prompt]
         if batch.logits_indices.numel() == 0:

@@ -1,4 +1,11 @@
-"""Attention kernels over the paged KV cache: pure-torch references (CPU path, ground truth)."""
+"""Attention kernels over the paged KV cache.
+
+`reference` holds the pure-torch ops (the CPU path and the ground truth);
+`triton_attention` holds Triton kernels of the same signatures (the CUDA path).
+The Triton names below are loaded lazily: triton is optional off Linux, and the
+kernels are built compiled or interpreted (``TRITON_INTERPRET=1``) when their
+module is first imported.
+"""
 
 from .reference import (
     attention_lse,
@@ -11,6 +18,21 @@ from .reference import (
     store_kv_cache,
 )
 
+_TRITON_EXPORTS = {
+    "triton_store_kv_cache": "store_kv_cache",
+    "triton_paged_decode_attention": "paged_decode_attention",
+    "triton_paged_extend_attention": "paged_extend_attention",
+}
+
+
+def __getattr__(name: str):
+    if name in _TRITON_EXPORTS:
+        from . import triton_attention
+
+        return getattr(triton_attention, _TRITON_EXPORTS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "attention_lse",
     "cascade_decode_attention",
@@ -20,4 +42,4 @@ __all__ = [
     "paged_decode_attention",
     "paged_extend_attention",
     "store_kv_cache",
-]
+]  # the triton_* names stay out of `import *`, which would import triton

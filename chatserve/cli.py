@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 logger = logging.getLogger("chatserve")
 
@@ -49,6 +50,21 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get 503")
 
 
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after a graceful shutdown (exit status -15); a clean shutdown is exit 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatserve", description="chatserve: streaming LLM chat inference server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     from .async_engine import AsyncLLMEngine
     from .engine import EngineArgs
     from .server import ServerSettings, create_app
+    from .sessions import make_session_store
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -96,16 +113,11 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"chatserve: {exc}", file=sys.stderr)
         return 2
-    try:
-        from .sessions import make_session_store
-    except ImportError:  # TODO(sessions): remove once chatserve.sessions lands
-        sessions = None
-    else:
-        sessions = make_session_store(args.redis_url)
+    sessions = make_session_store(args.redis_url)
     app = create_app(engine, sessions, settings)
     url = f"http://{args.host}:{args.port}"
     print(f"chatserve: serving {app.state.ctx.model_name} at {url}  (web client: {url}/ , API: {url}/v1)", flush=True)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -113,6 +125,7 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_grace_s,
         timeout_keep_alive=30,
     )
+    _server_class()(config).run()
     return 0
 
 

@@ -84,6 +84,8 @@ class ServerMetrics:
             self.aborts.labels(model_name, reason)
         for reason in ("stop", "length", "abort"):
             self.requests.labels(model_name, reason)
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
+            metric.labels(model_name)  # exported from the start, at zero
         self.http_errors = Counter("chatserve:http_errors", "Error responses by status.", labels + ["status"], registry=r)
         r.register(_EngineCollector(stats, model_name))
 

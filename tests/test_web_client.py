@@ -236,7 +236,7 @@ def type_and_send(driver: Any, text: str, *, with_enter: bool = True) -> None:
         one(driver, "send-button").click()
 
 
-def wait_reply_done(driver: Any, timeout: float = 40) -> WebElement:
+def wait_reply_done(driver: Any, timeout: float = 120) -> WebElement:
     wait_for(lambda: not driver.execute_script(
         "return document.querySelector('[data-testid=\"assistant-message\"].streaming') !== null"
     ) and one(driver, "stop-button").get_attribute("hidden") is not None, timeout, "the reply to finish")
@@ -259,6 +259,20 @@ def num_requests_running(base_url: str) -> float:
     ]
     assert values, "chatserve:num_requests_running missing from /metrics"
     return sum(values)
+
+
+def set_in_settings_panel(driver: Any, **fields: str) -> None:
+    """Fill the settings panel like a user (fields: temperature, max_tokens, system_prompt, api_key)."""
+    one(driver, "settings-button").click()
+    for name, value in fields.items():
+        field = one(driver, "settings-" + name.replace("_", "-"))
+        field.clear()
+        field.send_keys(value)
+    one(driver, "settings-save").click()
+    wait_for(lambda: not driver.execute_script("return document.getElementById('settings').open"), 5, "settings to close")
+    saved = json.loads(driver.execute_script("return localStorage.getItem('chatserve.settings.v1')"))
+    if "max_tokens" in fields:
+        assert saved["maxTokens"] == fields["max_tokens"], saved
 
 
 def assert_no_dialogs(driver: Any) -> None:
@@ -313,15 +327,7 @@ def test_sse_parser_and_markdown_in_browser(page: Any) -> None:
 def test_reply_streams_in_steps_then_shows_stats(page: Any) -> None:
     driver = page()
     assert one(driver, "stop-button").get_attribute("hidden") is not None
-    # Settings through the panel, like a user: greedy and a modest reply length.
-    one(driver, "settings-button").click()
-    for testid, value in (("settings-temperature", "0"), ("settings-max-tokens", "48")):
-        field = one(driver, testid)
-        field.clear()
-        field.send_keys(value)
-    one(driver, "settings-save").click()
-    wait_for(lambda: not driver.execute_script("return document.getElementById('settings').open"), 5, "settings to close")
-    assert json.loads(driver.execute_script("return localStorage.getItem('chatserve.settings.v1')"))["maxTokens"] == "48"
+    set_in_settings_panel(driver, temperature="0", max_tokens="32")  # greedy, a modest reply length
 
     driver.execute_script(LENGTH_SAMPLER)
     message = "Write three short sentences about the sea."
@@ -352,9 +358,10 @@ def test_reply_streams_in_steps_then_shows_stats(page: Any) -> None:
 
 
 def test_stop_mid_stream(page: Any, base_url: str) -> None:
-    driver = page(temperature="0", maxTokens="400")
+    driver = page()
+    set_in_settings_panel(driver, temperature="0", max_tokens="400")
     type_and_send(driver, "Tell me a long story about a lighthouse keeper and a storm.")
-    wait_for(lambda: len(last_reply_text(driver) or "") >= 15, 30, "the first tokens of the reply")
+    wait_for(lambda: len(last_reply_text(driver) or "") >= 15, 60, "the first tokens of the reply")
     stop = one(driver, "stop-button")
     assert stop.is_displayed()
     shot(driver, "before-stop")
@@ -392,7 +399,7 @@ def test_stop_mid_stream(page: Any, base_url: str) -> None:
 
 
 def test_reload_finds_session_with_history(page: Any, driver: Any, base_url: str) -> None:
-    page(temperature="0", maxTokens="24")
+    page(temperature="0", maxTokens="12")
     message = "Name two colors of the rainbow."
     type_and_send(driver, message)
     wait_reply_done(driver)
@@ -417,7 +424,7 @@ def test_reload_finds_session_with_history(page: Any, driver: Any, base_url: str
 
 
 def test_html_in_messages_renders_as_text(page: Any, driver: Any, base_url: str) -> None:
-    page(temperature="0", maxTokens="24")
+    page(temperature="0", maxTokens="12")
     payload = "<img src=x onerror=alert(1)>"
     type_and_send(driver, payload)
     wait_reply_done(driver)

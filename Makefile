@@ -6,16 +6,20 @@ export HF_HUB_OFFLINE := 1
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST := HF_HUB_OFFLINE=1 $(PY) -m pytest
-# Extra arguments, e.g. `make bench BENCH_ARGS="--only hf"` or `make serve PROMPT="Tell me a joke"`.
+# Extra arguments, e.g. `make bench BENCH_ARGS="--only hf"` or `make serve SERVE_ARGS="--port 9000"`.
 BENCH_ARGS ?=
-PROMPT     ?= What is the capital of France?
+SERVE_ARGS ?=
+# Sessions persist in Redis when REDIS_URL is set (e.g. redis://127.0.0.1:6379/0); else they live in memory.
+REDIS_URL  ?=
+HOST       ?= 127.0.0.1
+PORT       ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: help setup setup-redis serve test test-all bench
 
 help:
 	@echo "make setup     create .venv and install chatserve[dev], torch (if missing), the default model"
-	@echo "make serve     offline demo generation with the default model (HTTP server: coming)"
+	@echo "make serve     OpenAI-compatible server + web client with the default model on http://$(HOST):$(PORT)"
 	@echo "make test      fast test suite (needs Redis; started if absent)"
 	@echo "make test-all  full test suite, including tests marked slow"
 	@echo "make bench     offline benchmark: chatserve vs transformers (BENCH_ARGS=...)"
@@ -26,10 +30,9 @@ setup:
 setup-redis:
 	scripts/setup_env.sh --with-redis
 
-# NOTE: the HTTP server (`python -m chatserve serve --host 127.0.0.1 --port 8000`) does not exist yet;
-# until it does, `serve` runs a short offline generation through the LLM API.
+# The OpenAI-compatible server (SSE streaming, cancel endpoint, sessions, metrics) and the web client at /.
 serve: setup
-	$(PY) scripts/demo_generate.py "$(PROMPT)"
+	$(PY) -m chatserve serve --host $(HOST) --port $(PORT) $(if $(REDIS_URL),--redis-url $(REDIS_URL)) $(SERVE_ARGS)
 
 # pytest exits 5 when it collects no tests; any non-zero status fails the target.
 test: setup-redis

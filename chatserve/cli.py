@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 logger = logging.getLogger("chatserve")
 
@@ -50,17 +51,30 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get 503")
 
 
-def _server_class() -> type:
+def _server_class(ctx: Any, grace_s: float) -> type:
     import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    # NOTE: sse-starlette would cut every stream the moment SIGTERM arrives; we drain them ourselves.
+    AppStatus.disable_automatic_graceful_drain()
 
     class Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM after a graceful shutdown (exit status -15); a clean shutdown is exit 0."""
+        """Graceful shutdown for streams: stop accepting, let running requests finish for grace_s, then
+        end the rest with finish_reason "abort" (session turns stored), and exit 0."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():
                 yield
+                # uvicorn re-raises the signal after a graceful shutdown (exit status -15); we exit 0.
                 self._captured_signals.clear()
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            for server in self.servers:
+                server.close()  # no new connections from here on
+            await ctx.drain(grace_s)
+            AppStatus.should_exit = True  # backstop: any SSE response still open ends now
+            await super().shutdown(sockets)
 
     return Server
 
@@ -122,10 +136,10 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_grace_s,
+        timeout_graceful_shutdown=5,  # after our own drain (see _server_class)
         timeout_keep_alive=30,
     )
-    _server_class()(config).run()
+    _server_class(app.state.ctx, args.shutdown_grace_s)(config).run()
     return 0
 
 

@@ -48,6 +48,23 @@ class ServerContext:
         task.add_done_callback(self.background.discard)
         return task
 
+    async def drain(self, grace_s: float) -> None:
+        """Shutdown: refuse new work, let running requests finish for up to grace_s, then abort the
+        rest (their streams end with finish_reason "abort" and [DONE]; session turns are stored)."""
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.tracker.live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        live = [rec.owner for rec in list(self.tracker.live.values()) if rec.owner is not None]
+        if live:
+            logger.warning("shutdown: aborting %d request(s) still running after %.1fs", len(live), grace_s)
+            await asyncio.gather(*(gen.cancel("engine") for gen in live), return_exceptions=True)
+        # Let the streams write their final events and the session turns land.
+        deadline = loop.time() + 5.0
+        while (self.tracker.live or self.background) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -266,10 +283,10 @@ class Generation:
             if eid not in self._done:
                 self.ctx.spawn(self._settle_after_abort(eid))
 
-    async def cancel(self) -> None:
-        """Cancel endpoint: abort every engine request now and settle them before returning."""
+    async def cancel(self, reason: str = "cancel_endpoint") -> None:
+        """Abort every engine request now and settle them before returning (cancel endpoint, shutdown)."""
         if self.record.abort_reason is None:
-            self.record.abort_reason = "cancel_endpoint"
+            self.record.abort_reason = reason
         await asyncio.gather(*(self._settle_after_abort(eid) for eid in self.engine_ids if eid not in self._done))
 
 

@@ -134,6 +134,8 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._step_future: asyncio.Future | None = None
         self._closing = False  # shutdown() began: no new work, no new loop
+        self._last_step_end: float | None = None
+        self._idle = False
         self._dead: EngineDeadError | None = None
         self._stats: dict[str, Any] = engine.stats()
         self._ids = itertools.count()
@@ -173,6 +175,17 @@ class AsyncLLMEngine:
         if stream is not None:
             return stream.metrics
         return next((m for m in reversed(self.recent_metrics) if m.request_id == request_id), None)
+
+    def loop_state(self) -> dict[str, Any]:
+        """Where the engine loop is, for debugging stalls: stepping, idle, or gone."""
+        return {
+            "task_alive": self.is_running,
+            "step_in_flight": self._step_future is not None,
+            "seconds_since_last_step": None if self._last_step_end is None else time.monotonic() - self._last_step_end,
+            "pending_ops": len(self._pending),
+            "waiting_for_wakeup": self._idle,
+            "engine_unfinished": self.engine.has_unfinished_requests(),
+        }
 
     def stats(self) -> dict[str, Any]:
         """The LLMEngine's counters as of the last step boundary (a snapshot the loop takes), plus ours.
@@ -338,13 +351,18 @@ class AsyncLLMEngine:
                     assert self._wakeup is not None
                     if not self._pending:
                         self._wakeup.clear()
-                        await self._wakeup.wait()
+                        self._idle = True
+                        try:
+                            await self._wakeup.wait()
+                        finally:
+                            self._idle = False
                     continue
                 steps_before = self.engine.num_steps
                 self._step_future = loop.run_in_executor(self._executor, self._step)
                 # NOTE: shielded, so cancelling this task never abandons a step half-way: see below.
                 outputs = await asyncio.shield(self._step_future)
                 self._step_future = None
+                self._last_step_end = time.monotonic()
                 idle_steps = idle_steps + 1 if self.engine.num_steps == steps_before else 0
                 self._dispatch(outputs)
         except asyncio.CancelledError:

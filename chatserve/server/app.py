@@ -6,6 +6,7 @@ import contextlib
 import hmac
 import importlib.resources
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -103,11 +104,17 @@ async def metrics(request: Request) -> Response:
 async def debug_cache(request: Request) -> JSONResponse:
     """Checks the KV-cache invariants between steps; 200 with the engine's stats, or 500 naming the break."""
     ctx = get_ctx(request)
+    loop_before = ctx.engine.loop_state()  # before the check, which itself wakes the loop
     try:
         await ctx.engine.check_integrity()
     except AssertionError as exc:
         return JSONResponse(error_body(500, f"KV cache integrity check failed: {exc}", code="integrity"), status_code=500)
-    return JSONResponse({"ok": True, "stats": ctx.engine.stats(), "live_requests": len(ctx.tracker.live)})
+    now = time.time()
+    live = [{"id": rec.id, "age_s": round(now - rec.created, 3), "engine_ids": rec.engine_ids,
+             "abort_reason": rec.abort_reason} for rec in list(ctx.tracker.live.values())[:100]]
+    return JSONResponse({"ok": True, "stats": ctx.engine.stats(), "loop": loop_before,
+                         "live_requests": len(ctx.tracker.live),
+                         "oldest_live": sorted(live, key=lambda r: -r["age_s"])[:20]})
 
 
 def _web_dir() -> Any:

@@ -37,13 +37,17 @@ def check_limits(ctx: ServerContext, body: _SamplingFields) -> None:
     s = ctx.settings
     if body.n > s.max_n:
         raise bad_request(f"n must be at most {s.max_n}, got {body.n}", param="n")
-    stops = body.stop_list()
+    check_stop_list(ctx, body.stop_list())
+
+
+def check_stop_list(ctx: ServerContext, stops: list[str], param: str = "stop") -> None:
+    s = ctx.settings
     if len(stops) > s.max_stop_sequences:
-        raise bad_request(f"at most {s.max_stop_sequences} stop sequences are allowed, got {len(stops)}", param="stop")
+        raise bad_request(f"at most {s.max_stop_sequences} stop sequences are allowed, got {len(stops)}", param=param)
     if any(len(x) > s.max_stop_length for x in stops):
-        raise bad_request(f"each stop sequence may have at most {s.max_stop_length} characters", param="stop")
+        raise bad_request(f"each stop sequence may have at most {s.max_stop_length} characters", param=param)
     if any(x == "" for x in stops):
-        raise bad_request("stop sequences must not be empty", param="stop")
+        raise bad_request("stop sequences must not be empty", param=param)
 
 
 def build_sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,

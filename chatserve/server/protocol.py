@@ -20,6 +20,9 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Field(ge=_SEED_MIN, le=_SEED_MAX)]
 PositiveInt = Annotated[int, Field(ge=1)]
+# NOTE: the sampler keeps top_k in an int64 tensor shared by the whole batch; a value that does not
+# fit would kill the engine loop for everyone, so it is bounded here (far above any vocabulary size).
+TopK = Annotated[int, Field(ge=-1, le=2**31 - 1)]
 
 
 class _Strict(BaseModel):
@@ -65,7 +68,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0

@@ -36,12 +36,13 @@ from .openai_routes import (
     chat_events,
     chat_response,
     check_limits,
+    check_stop_list,
     fit_max_tokens,
     get_ctx,
     run_non_streaming,
     sse_response,
 )
-from .protocol import _SamplingFields, _Strict
+from .protocol import TopK, _SamplingFields, _Strict
 from .serving import Generation, ServerContext
 from .session_templates import first_turn_ids, next_turn_ids
 
@@ -54,7 +55,7 @@ _LOCK_REFRESH_S = 30.0
 class SessionDefaults(_Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -104,6 +105,8 @@ async def create_session(request: Request) -> JSONResponse:
     store = _store(ctx)
     body = await read_model(request, CreateSessionRequest, ctx.settings)
     defaults = body.defaults.model_dump(exclude_none=True) if body.defaults else {}
+    stop = defaults.get("stop", [])
+    check_stop_list(ctx, [stop] if isinstance(stop, str) else stop, param="defaults.stop")  # a request's limits
     with _store_errors():
         session = await store.create(system_prompt=body.system_prompt, metadata=body.metadata or {},
                                      ttl_seconds=body.ttl_seconds, defaults=defaults, model=ctx.model_name)

@@ -17,6 +17,7 @@ OutputKind = Literal["cumulative", "delta", "final_only"]
 # Bounds that OpenAI documents; vLLM uses the same ones.
 _MAX_LOGPROBS = 20
 _PENALTY_RANGE = 2.0
+_TOP_K_MAX = 2**31 - 1
 # torch.Generator.manual_seed accepts any value that fits in 64 bits, signed or not.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -86,6 +87,10 @@ class SamplingParams:
             self.top_k = 0
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k > _TOP_K_MAX:
+            # NOTE: the batched sampler packs top_k into an int64 tensor with other users' rows; a
+            # value that overflows it would fail the whole step, so refuse it here, per request.
+            raise ValueError(f"top_k must be at most {_TOP_K_MAX} (values above the vocabulary size act as 0), got {self.top_k}")
 
         self.min_p = _as_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:

@@ -128,3 +128,14 @@ def test_clone_is_deep_and_equal() -> None:
     copy.stop_token_ids.append(2)  # type: ignore[union-attr]
     copy.max_tokens = 99
     assert params.stop == ["a"] and params.stop_token_ids == [1] and params.max_tokens == 16
+
+
+def test_top_k_beyond_int32_is_refused_per_request():
+    """Regression: 10**26 passed validation and then overflowed the batched sampler, killing the step."""
+    import pytest
+
+    from chatserve import SamplingParams
+
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=10**26)
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1

@@ -50,8 +50,12 @@ def post(server: ServerProcess, path: str, body: object = None, *, content: byte
 
 def sse_events(resp: httpx.Response) -> list[tuple[str | None, str]]:
     """(id, data) per event, from the raw lines: checks the framing itself, not a library's view of it."""
+    return _parse_sse_lines(resp.iter_lines())
+
+
+def _parse_sse_lines(lines) -> list[tuple[str | None, str]]:
     events, cur_id, data = [], None, []
-    for line in resp.iter_lines():
+    for line in lines:
         if line == "":
             if data:
                 events.append((cur_id, "\n".join(data)))
@@ -331,7 +335,14 @@ def _stream_in_thread(url: str, body: dict, rid: str, sink: dict) -> threading.T
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": rid},
                               timeout=120) as r:
                 sink["status"] = r.status_code
-                sink["events"] = sse_events(r) if r.status_code == 200 else []
+                sink["events"] = []
+                if r.status_code == 200:
+                    sink["data_lines"] = 0
+                    lines = []
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        sink["data_lines"] += line.startswith("data:")
+                    sink["events"] = _parse_sse_lines(lines)
                 if r.status_code != 200:
                     r.read()
                     sink["body"] = r.json()
@@ -370,12 +381,11 @@ def test_cancel_in_waiting_prefilling_and_decoding_states(small_server):
     # decoding: a running request with tokens flowing
     a: dict = {}
     ta = _stream_in_thread(srv.url, decode_body, "dec-1", a)
-    _wait_for(lambda: _running(srv) == 1)
+    _wait_for(lambda: a.get("data_lines", 0) >= 3, timeout=60)  # role chunk + two tokens: decoding
     # waiting: the only slot is busy, so this one queues
     b: dict = {}
     tb = _stream_in_thread(srv.url, prefill_body, "wait-1", b)
     _wait_for(lambda: srv.gauge("num_requests_waiting") == 1)
-    time.sleep(0.5)  # let dec-1 produce tokens
     rb = post(srv, "/v1/requests/wait-1/cancel")
     assert rb.status_code == 200, rb.text
     sb = rb.json()

@@ -60,31 +60,21 @@ def completion_logprobs(delta: ChoiceDelta, top_n: int, offset: int) -> dict[str
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_chunk(cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: Any = None,
-               include_usage: bool = False) -> dict[str, Any]:
+def _chunk(kind: str, cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: Any,
+           include_usage: bool) -> dict[str, Any]:
     obj: dict[str, Any] = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
+        "id": cid, "object": kind, "created": created, "model": model, "system_fingerprint": None, "choices": choices,
     }
     if include_usage:
         obj["usage"] = usage
     return obj
+
+
+def chat_chunk(cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: Any = None,
+               include_usage: bool = False) -> dict[str, Any]:
+    return _chunk("chat.completion.chunk", cid, created, model, choices, usage, include_usage)
 
 
 def completion_chunk(cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: Any = None,
                      include_usage: bool = False) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
-    if include_usage:
-        obj["usage"] = usage
-    return obj
+    return _chunk("text_completion", cid, created, model, choices, usage, include_usage)

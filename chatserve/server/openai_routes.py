@@ -356,7 +356,7 @@ async def _completion_events(gen: Generation, acc: Accumulator, cid: str, create
 async def list_models(request: Request) -> JSONResponse:
     ctx = get_ctx(request)
     return JSONResponse({"object": "list", "data": [{
-        "id": ctx.model_name, "object": "model", "created": int(ctx.engine.engine.load_seconds and time.time()),
+        "id": ctx.model_name, "object": "model", "created": ctx.started_at,
         "owned_by": "chatserve", "max_model_len": ctx.max_model_len,
     }]})
 

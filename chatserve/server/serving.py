@@ -40,6 +40,7 @@ class ServerContext:
     model_name: str
     background: set[asyncio.Task] = field(default_factory=set)
     accepting: bool = True  # False once shutdown began
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """A task that outlives the request that started it (e.g. settling after a disconnect)."""

@@ -36,6 +36,7 @@ from .openai_routes import (
     chat_events,
     chat_response,
     check_limits,
+    check_model,
     check_stop_list,
     fit_max_tokens,
     get_ctx,
@@ -216,9 +217,7 @@ async def post_message(request: Request) -> Any:
     sid = request.path_params["session_id"]
     body = await read_model(request, SessionMessageRequest, ctx.settings)
     request_id = request_id_from(request, ctx.settings)
-    if body.model is not None and body.model != ctx.model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{ctx.model_name}`.",
-                       param="model", code="model_not_found")
+    check_model(ctx, body.model)
     if body.n != 1:
         raise bad_request("a session turn has exactly one reply; n must be 1", param="n")
     check_limits(ctx, body)

@@ -69,9 +69,6 @@ class RequestTracker:
         self._history: collections.OrderedDict[str, TrackedRequest] = collections.OrderedDict()
         self._history_len = history
 
-    def is_live(self, request_id: str) -> bool:
-        return request_id in self.live
-
     def start(self, request_id: str, engine_ids: list[str]) -> TrackedRequest:
         if request_id in self.live:
             raise KeyError(request_id)

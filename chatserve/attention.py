@@ -121,6 +121,8 @@ def _triton_attention(
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
     def plain(qp: torch.Tensor) -> torch.Tensor:
+        if batch.decode_kernel is not None:
+            return batch.decode_kernel(qp, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale)
         return paged_decode_attention(
             qp, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
             max_len=batch.decode_max_len, mask=batch.decode_mask,

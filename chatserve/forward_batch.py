@@ -9,6 +9,7 @@ shared by every layer.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,8 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor | None = None  # [Bp]
     decode_max_len: int = 0  # longest context among the plain decodes
     decode_mask: torch.Tensor | None = None  # [Bp, 1, 1, L] or None when lengths are equal
+    # a compiled kernel for the plain decodes (reads the paged cache in place; no mask needed)
+    decode_kernel: Callable[..., torch.Tensor] | None = None
     # extend part: the remaining tokens
     num_extends: int = 0
     extend_groups: list[ExtendGroup] = field(default_factory=list)
@@ -119,6 +122,7 @@ def build_forward_batch(
     device: torch.device,
     min_cascade_blocks: int = MIN_CASCADE_BLOCKS,
     attention_backend: str = "torch",
+    decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> ForwardBatch:
     """Pack decodes and prefill chunks into flat tensors.
 
@@ -191,7 +195,8 @@ def build_forward_batch(
             batch.decode_context_lens = tensor(ctx)
             max_len = max(ctx)
             batch.decode_max_len = max_len
-            if not triton and len(plain) > 1 and min(ctx) != max_len:
+            batch.decode_kernel = None if triton else decode_kernel
+            if not triton and decode_kernel is None and len(plain) > 1 and min(ctx) != max_len:
                 valid = torch.arange(max_len, device=device).unsqueeze(0) < batch.decode_context_lens.unsqueeze(1)
                 batch.decode_mask = valid.view(len(plain), 1, 1, max_len)
 

@@ -57,6 +57,11 @@ def plan_kv_pool(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> KV
     return KVPoolSpec(n, cache.block_size, per_block)
 
 
+def _decode_kernel_fits(cfg: ModelConfig) -> bool:
+    """The C++ decode kernel's limits: head_dim a multiple of 16 up to 256, <= 16 query heads per KV head."""
+    return cfg.head_dim % 16 == 0 and cfg.head_dim <= 256 and cfg.num_heads // cfg.num_kv_heads <= 16
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -86,9 +91,14 @@ class ModelRunner:
         model.load_weights(iter_weights(source, hf_config, dtype))
         self.model = model.eval()
         self.linear_impl = "torch F.linear"
+        self.decode_kernel = None  # the compiled CPU paged decode attention, where it applies
         if packed_linear_available(dtype, device):
-            self.linear_impl = self.model.optimize_for_cpu(load_cpu_kernels())
-        logger.info("matmuls: %s; attention: %s", self.linear_impl, attention_backend)
+            kernels = load_cpu_kernels()
+            self.linear_impl = self.model.optimize_for_cpu(kernels)
+            if kernels is not None and attention_backend == "torch" and _decode_kernel_fits(model_config):
+                self.decode_kernel = kernels.paged_decode
+        logger.info("matmuls: %s; attention: %s%s", self.linear_impl, attention_backend,
+                    " (C++ paged decode)" if self.decode_kernel is not None else "")
         self.load_seconds = time.perf_counter() - t0
 
         self.pool = plan_kv_pool(model_config, cache_config, dtype)
@@ -169,6 +179,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             attention_backend=self.attention_backend,
+            decode_kernel=self.decode_kernel,
         )
         sampled = [s for s in decodes + extends if s.completes_prompt]
         if batch.logits_indices.numel() == 0:

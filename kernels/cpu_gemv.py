@@ -22,8 +22,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAX_GEMV_ROWS = 8
-_SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.cpp"
+MAX_GEMV_ROWS = 128  # the kernel takes any row count; above this oneDNN is as fast (see models/cpu_linear.py)
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("bf16_gemv.cpp", "cpu_attention.cpp", "cpu_fused.cpp")]
+_HEADERS = [_CSRC / "simd.h"]
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -39,8 +41,12 @@ def cpu_has_avx512_bf16() -> bool:
 
 @dataclass(frozen=True)
 class CpuKernels:
-    gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x[M<=8, K] . w[N, K]^T (+ bias)
+    gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x[M, K] . w[N, K]^T (+ bias)
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # bf16 rows [M, D], weight [D], eps
+    # q [B, H, D], k/v cache [blocks, block_size, KVH, D], block tables [B, nb] int64, context lens [B] int64, scale
+    paged_decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
+    rope_inplace: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]  # x [T, W], cos, sin, heads, head_dim
 
 
 def load_cpu_kernels() -> CpuKernels | None:
@@ -52,9 +58,10 @@ def load_cpu_kernels() -> CpuKernels | None:
 
         ext = load(
             name="chatserve_bf16_gemv",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             # -fopenmp: at::parallel_for is inlined from headers and is serial without it
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"],
+            # the header's hash in the flags: torch rebuilds when sources or flags change, not headers
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -63,16 +70,42 @@ def load_cpu_kernels() -> CpuKernels | None:
         # prove it on this machine before trusting it
         w = torch.randn(96, 80).to(torch.bfloat16)
         b = torch.randn(96).to(torch.bfloat16)
-        for m in (1, 3, MAX_GEMV_ROWS):
+        for m in (1, 3, 8, 13, 32):
             x = torch.randn(m, 80).to(torch.bfloat16)
             ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
             if not torch.allclose(fn(x, w, b).float(), ref, atol=0.05 * float(ref.abs().max()) + 0.05):
                 logger.warning("bf16 gemv kernel gave wrong results; using F.linear")
                 return None
-        return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16)
+        _verify_paged_decode(ext.paged_decode_attention_bf16)
+        _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16)
+        return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_decode=ext.paged_decode_attention_bf16,
+                          silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16)
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
         return None
+
+
+def _headers_hash() -> str:
+    import hashlib
+
+    return hashlib.sha1(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:12]
+
+
+def _verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[..., None]) -> None:
+    from chatserve.models.rope import apply_rotary
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 64, generator=gen) * 4).to(torch.bfloat16)
+    ref = torch.nn.functional.silu(x[:, :32].float()) * x[:, 32:].float()
+    if not torch.allclose(silu_mul(x).float(), ref, atol=2e-2, rtol=2e-2):
+        raise RuntimeError("silu_mul kernel gave wrong results")
+    qkv = torch.randn(3, 5 * 32, generator=gen).to(torch.bfloat16)
+    angles = torch.randn(3, 1, 16, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    ref = apply_rotary(qkv[:, :96].float().view(3, 3, 32), cos.float(), sin.float())
+    rope_inplace(qkv, cos, sin, 3, 32)
+    if not torch.allclose(qkv[:, :96].float().view(3, 3, 32), ref, atol=3e-2, rtol=2e-2):
+        raise RuntimeError("rope kernel gave wrong results")
 
 
 def _verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:
@@ -81,3 +114,17 @@ def _verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], tor
     ref = torch.nn.functional.rms_norm(x.float(), (96,), w.float(), 1e-5)
     if not torch.allclose(rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=2e-2):
         raise RuntimeError("rms_norm kernel gave wrong results")
+
+
+def _verify_paged_decode(paged_decode: Callable[..., torch.Tensor]) -> None:
+    from chatserve.kernels.reference import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(6, 4, 2, 32, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(6, 4, 2, 32, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, 6, 32, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[5, 1, 0], [2, 2, 2], [4, 3, 0]])
+    lens = torch.tensor([9, 1, 7])
+    ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.2)
+    if not torch.allclose(paged_decode(q, k_cache, v_cache, tables, lens, 0.2).float(), ref, atol=2e-2, rtol=2e-2):
+        raise RuntimeError("paged decode attention kernel gave wrong results")

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (bf16 gemv, RMSNorm) against torch, and the KV pool's zero-on-first-use."""
+"""The C++ CPU kernels (bf16 matmul, RMSNorm, paged decode attention) against torch, the bounded
+matmul shapes, and the KV pool's zero-on-first-use."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch.nn.functional as F
 
 from chatserve import LLM, SamplingParams
 from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, load_cpu_kernels
+from chatserve.kernels.reference import paged_decode_attention
+from chatserve.models.cpu_linear import ONEDNN_MIN_ROWS, PackedLinear, kernel_linear, power_of_two_pieces
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def test_gemv_matches_float_matmul(kernels, shape):
     n, k = shape
     w = torch.randn(n, k).to(torch.bfloat16)
     b = torch.randn(n).to(torch.bfloat16)
-    for m in range(1, MAX_GEMV_ROWS + 1):
+    for m in [*range(1, 18), 24, 31, 32, 33, 47, MAX_GEMV_ROWS]:
         x = torch.randn(m, k).to(torch.bfloat16)
         ref = F.linear(x.float(), w.float(), b.float())
         out = kernels.gemv(x, w, b).float()
@@ -53,3 +56,125 @@ def test_unwritten_pool_memory_never_leaks_into_attention(tiny_checkpoint):
     # one at a time, attention reads exactly the written positions: the reference
     alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
+
+
+def test_power_of_two_pieces_cover_rows_with_few_shapes():
+    sizes = set()
+    for m in range(0, 5000):
+        pieces = list(power_of_two_pieces(m, 64))
+        assert sum(n for _, n in pieces) == m
+        assert [s for s, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+        *big, last = pieces or [(0, 0)]
+        assert all(n >= 64 and n & (n - 1) == 0 for _, n in big)
+        assert last[1] < 64 or last[1] & (last[1] - 1) == 0
+        sizes.update(n for _, n in pieces if n >= 64)
+    assert sizes == {64, 128, 256, 512, 1024, 2048, 4096}  # oneDNN sees 7 shapes per weight, not 5,000
+
+
+@pytest.mark.parametrize("m", [9, 40, 64, 65, 100, 129, 300])
+def test_kernel_linear_matches_float_matmul_at_every_size(kernels, m):
+    torch.manual_seed(m)
+    w = (torch.randn(200, 96) * 0.1).to(torch.bfloat16)
+    b = torch.randn(200).to(torch.bfloat16)
+    x = torch.randn(m, 96).to(torch.bfloat16)
+    for bias in (b, None):
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        out = kernel_linear(x, w, bias, kernels.gemv)
+        assert out.shape == (m, 200) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
+    assert ONEDNN_MIN_ROWS == MAX_GEMV_ROWS
+
+
+def test_packed_linear_in_pieces_matches_float_matmul():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    torch.manual_seed(3)
+    w = (torch.randn(64, 48) * 0.1).to(torch.bfloat16)
+    b = torch.randn(64).to(torch.bfloat16)
+    lin = PackedLinear(w, b)
+    for m in (1, 7, 8, 37, 100):
+        x = torch.randn(m, 48).to(torch.bfloat16)
+        ref = F.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(lin(x).float(), ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
+def test_paged_decode_kernel_matches_reference(kernels, heads, kv_heads, head_dim):
+    """Ragged lengths (1 token up to several blocks, block edges included), shuffled block tables,
+    GQA of 1-16 query heads per KV head: the same as the torch reference in fp32."""
+    gen = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    num_blocks, block_size = 40, 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([1, 15, 16, 17, 33, 64, 100, 7])
+    max_blocks = 7
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([perm[(i * 5) % 33 : (i * 5) % 33 + max_blocks] for i in range(len(lens))])
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 2).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_paged_decode_kernel_refuses_bad_tables(kernels):
+    k_cache = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        kernels.paged_decode(q, k_cache, k_cache, torch.tensor([[7]]), torch.tensor([5]), 0.125)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernels.paged_decode(q, k_cache, k_cache, torch.tensor([[1]]), torch.tensor([17]), 0.125)
+
+
+def test_silu_mul_matches_torch(kernels):
+    torch.manual_seed(5)
+    for m in (1, 7, 100):
+        x = (torch.randn(m, 2 * 1536) * 4).to(torch.bfloat16)
+        x[0, :4] = torch.tensor([0.0, -30.0, 30.0, -0.001])  # saturated and tiny gates
+        ref = F.silu(x[:, :1536].float()) * x[:, 1536:].float()
+        torch.testing.assert_close(kernels.silu_mul(x).float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
+    from chatserve.models.rope import apply_rotary
+
+    torch.manual_seed(6)
+    t, heads, kv_heads, d = 70, 9, 3, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
+    angles = torch.randn(t, 1, d // 2).repeat(1, 1, 2) * 3
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    ref = apply_rotary(qk.float(), cos.float(), sin.float())
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    kernels.rope_inplace(qkv, cos, sin, heads + kv_heads, d)
+    torch.testing.assert_close(qk.float(), ref, atol=2e-2, rtol=1e-2)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
+
+
+def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch):
+    """The bf16 model with every C++ kernel (matmul at all batch sizes, paged decode attention,
+    rotary, silu*up, RMSNorm) against the same model on torch/oneDNN ops: while the two greedy
+    continuations agree, each step's chosen token is in the other path's top 5 with a log-probability
+    within bf16 noise. A ragged batch, one prompt over 128 tokens (oneDNN pieces + kernel remainder)."""
+    prompts = [{"prompt_token_ids": list(range(1000, 1000 + n))} for n in (5, 17, 33, 150, 64)]
+    prompts.append("The capital of France is")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False)
+    assert fast.engine.runner.decode_kernel is not None
+    fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
+    del fast
+    monkeypatch.setenv("CHATSERVE_DISABLE_GEMV", "1")
+    slow = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False)
+    assert slow.engine.runner.decode_kernel is None
+    slow_out = [o.outputs[0] for o in slow.generate(prompts, params)]
+    compared = 0
+    for a, b in zip(fast_out, slow_out):
+        for step, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            la, lb = a.logprobs[step], b.logprobs[step]
+            assert ta in lb and tb in la, (step, ta, tb)
+            assert abs(la[ta].logprob - lb[ta].logprob) < 0.25
+            compared += 1
+            if ta != tb:
+                break
+    assert compared >= len(prompts) * 2  # decode steps were compared, not only the prefill

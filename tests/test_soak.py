@@ -252,10 +252,10 @@ def test_soak_mixed_load_with_redis_outage():
             await sampler
 
         asyncio.run(main())
-        # NOTE: RSS first grows while oneDNN primitives, allocator pools and KV pages warm up for each
-        # new batch/prompt shape (measured: +130 MiB in the first minute, then +50, +27, ... +5 MiB per
-        # 25 s: it levels off near 1.4 GiB). The short run can only bound that warm-up; a long run
-        # (CHATSERVE_SOAK_SECONDS >= 300) checks that the final third is flat.
+        # NOTE: RSS grows while allocator pools and KV pages warm up, then stays flat. It used to
+        # climb for minutes (+52 MiB in the last third of a 300 s run, 1.4 GiB peak): oneDNN kept a
+        # primitive per distinct matmul row count. Matmul shapes are now bounded (see
+        # chatserve/models/cpu_linear.py); a 300 s run then measured +1.9 MiB in its last third.
         third = max(1, len(rss_samples) // 3)
         rss_start, rss_end = rss_samples[third], rss_samples[-1]
         rss_final_third = rss_samples[-1] - rss_samples[-third - 1]
@@ -302,7 +302,7 @@ def test_soak_mixed_load_with_redis_outage():
         if SOAK_SECONDS >= 300:
             assert rss_final_third < 32, report  # MiB: flat once warm
         else:
-            assert rss_end - rss_start < 256, report  # MiB: warm-up only, no runaway
+            assert rss_end - rss_start < 96, report  # MiB: warm-up only, no runaway
         assert stats["prefix_cache_evicted_blocks"] > 0, report  # the small pool really was under pressure
     finally:
         srv.stop()

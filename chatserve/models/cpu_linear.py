@@ -1,18 +1,25 @@
-"""Faster bf16 linear layers on the CPU.
+"""Faster bf16 linear layers on the CPU, with a bounded set of oneDNN matmul shapes.
 
-Measured on the 2-core AVX-512 dev box, per decode token of SmolLM2-135M
-(30 layers, cold caches): `F.linear` bf16 24 ms, oneDNN prepacked 16.7 ms, our
-AVX512-BF16 gemv kernel (chatserve.kernels.cpu_gemv) 10.2 ms at batch 1. For
-batches above 8 rows (prefill, big decode batches) `F.linear` runs oneDNN.
-If the kernel cannot be built, oneDNN-prepacked weights are used instead
-(faster than `F.linear` at every batch size, but their plain copy is dropped,
-so the gemv kernel could not use them).
+Measured on the 2-core AVX-512 dev box over a 30-layer SmolLM2-sized weight set plus its
+lm_head (cold caches), per forward of M rows (`/tmp`-style probe, see BENCHMARKS.md):
+M = 1-8 `F.linear` 23 ms, our AVX512-BF16 kernel (chatserve.kernels.cpu_gemv) 12 ms; M = 16
+28 vs 24 ms; M = 32 38 vs 37 ms; M = 64 60 vs 63 ms; above that oneDNN pulls ahead. So rows up
+to KERNEL_MAX_ROWS go to our kernel, and bigger inputs to oneDNN through `F.linear`.
+
+Why the pieces: oneDNN builds (and caches, up to 1,024 entries) one primitive per distinct matmul
+shape, a few hundred KiB each, and glibc then fragments around them. Under a serving workload
+every step has a different row count, so a server's RSS grew by hundreds of MiB over minutes.
+Rows above KERNEL_MAX_ROWS are therefore cut into power-of-two pieces (>= ONEDNN_MIN_ROWS) plus a
+remainder for our kernel: at most ~6 shapes per weight, whatever the traffic.
+
+If the kernel cannot be built, oneDNN-prepacked weights are used for every size, cut into
+power-of-two pieces for the same reason.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +30,23 @@ from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
 logger = logging.getLogger(__name__)
 
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+KERNEL_MAX_ROWS = MAX_GEMV_ROWS  # our kernel handles any M; up to here it is faster than oneDNN
+ONEDNN_MIN_ROWS = KERNEL_MAX_ROWS
+
+
+def power_of_two_pieces(m: int, smallest: int) -> Iterator[tuple[int, int]]:
+    """(start, rows) pieces covering [0, m): powers of two >= `smallest`, largest first, then
+    whatever remains (< `smallest`) as one last piece. E.g. m=1000, smallest=64 ->
+    512, 256, 128, 64 and a remainder of 40."""
+    start = 0
+    size = 1 << max(m.bit_length() - 1, 0)
+    while size >= smallest and start < m:
+        if m - start >= size:
+            yield start, size
+            start += size
+        size >>= 1
+    if start < m:
+        yield start, m - start
 
 
 def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -40,7 +64,9 @@ def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for `nn.Linear` on 2-D inputs, holding a oneDNN-packed weight."""
+    """Drop-in for `nn.Linear` on 2-D inputs, holding a oneDNN-packed weight.
+
+    Row counts are cut into power-of-two pieces so oneDNN sees at most ~log2(M) shapes."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -50,12 +76,38 @@ class PackedLinear(nn.Module):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.bias = None if bias is None else bias.detach().clone()
 
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        x = x.contiguous()
+        m = x.shape[0]
+        if m & (m - 1) == 0:  # already a power of two (or empty)
+            return self._run(x)
+        return torch.cat([self._run(x[s : s + n]) for s, n in power_of_two_pieces(m, 1)])
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv) -> torch.Tensor:
+    """x @ weight.T (+ bias): our kernel up to KERNEL_MAX_ROWS rows, oneDNN in power-of-two pieces above."""
+    m = x.shape[0]
+    if m <= KERNEL_MAX_ROWS:
+        return gemv(x, weight, bias)
+    x = x.contiguous()
+    out = x.new_empty((m, weight.shape[0]))
+    wt = weight.t()
+    for start, rows in power_of_two_pieces(m, ONEDNN_MIN_ROWS):
+        part = x[start : start + rows]
+        if rows < ONEDNN_MIN_ROWS:
+            out[start : start + rows] = gemv(part, weight, bias)
+        elif bias is None:
+            torch.mm(part, wt, out=out[start : start + rows])
+        else:
+            torch.addmm(bias, part, wt, out=out[start : start + rows])
+    return out
 
 
 class GemvLinear(nn.Module):
-    """Drop-in for `nn.Linear` on 2-D inputs: the gemv kernel for up to 8 rows, `F.linear` above."""
+    """Drop-in for `nn.Linear` on 2-D inputs over plain weights: see `kernel_linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv) -> None:
         super().__init__()
@@ -64,9 +116,7 @@ class GemvLinear(nn.Module):
         self.gemv = gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_GEMV_ROWS:
-            return self.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return kernel_linear(x, self.weight, self.bias, self.gemv)
 
 
 def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

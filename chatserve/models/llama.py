@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, CpuKernels
+from chatserve.kernels.cpu_gemv import CpuKernels
 
 from ..attention import paged_attention
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .cpu_linear import Gemv, GemvLinear, PackedLinear, pack_linears, replace_linears
+from .cpu_linear import KERNEL_MAX_ROWS, Gemv, GemvLinear, PackedLinear, kernel_linear, pack_linears, replace_linears
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -56,6 +56,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
+        self.rope_inplace = None  # C++ bf16 rotary (not with q/k norms), set by optimize_for_cpu
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -63,6 +64,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.rope_inplace is not None and qkv.dtype == torch.bfloat16:
+            # one C++ pass rotates q and k inside the fused projection's output
+            self.rope_inplace(qkv, batch.rope_cos, batch.rope_sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+            out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -82,8 +91,11 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.silu_mul = None  # C++ bf16 silu(gate) * up, set by optimize_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_mul is not None and x.dtype == torch.bfloat16:
+            return self.down_proj(self.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -138,8 +150,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv is not None and h.shape[0] <= MAX_GEMV_ROWS:
-            return self.gemv(h, weight, None).float()
+        if self.gemv is not None:
+            return kernel_linear(h, weight, None, self.gemv).float()
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h).float()
         return F.linear(h, weight).float()
@@ -147,19 +159,23 @@ class LlamaFamilyForCausalLM(nn.Module):
     def optimize_for_cpu(self, kernels: CpuKernels | None) -> str:
         """Pick the fastest bf16 matmuls this CPU offers; returns which, for the log.
 
-        With the gemv kernel, layers keep plain weights (gemv up to 8 rows, oneDNN
-        through F.linear above) and only the lm_head gets an extra packed copy for
-        big batches. Without it, every matmul uses oneDNN-packed weights.
+        With the kernel, every matmul keeps its plain weights (one copy: our kernel up
+        to 64 rows, oneDNN in power-of-two pieces above). Without it, every matmul uses
+        oneDNN-packed weights.
         """
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = PackedLinear(weight, None)
         if kernels is not None:
             gemv = self.gemv = kernels.gemv
             replace_linears(self.layers, lambda lin: GemvLinear(lin.weight, lin.bias, gemv))
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.fast = kernels.rms_norm
-            return "avx512-bf16 gemv (<= 8 rows) + oneDNN; C++ RMSNorm"
+                elif isinstance(module, MLP) and module.intermediate_size % 16 == 0:
+                    module.silu_mul = kernels.silu_mul
+                elif isinstance(module, Attention) and not module.qk_norm and module.head_dim % 32 == 0:
+                    module.rope_inplace = kernels.rope_inplace
+            return f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN; C++ RMSNorm, rotary, silu*up"
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = PackedLinear(weight, None)
         pack_linears(self.layers)
         if self.lm_head is not None:
             self.lm_head = None  # the packed copy replaces it

@@ -8,13 +8,26 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
+#include <cstring>
 
 namespace {
 
-constexpr int kMaxM = 8;
+using chatserve_simd::reduce16;
 
-inline __m512bh load_bf16(const at::BFloat16* p, int64_t remaining) {
+#ifndef PF_AHEAD
+#define PF_AHEAD 8
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+#ifndef GEMM_MB
+#define GEMM_MB 4
+#endif
+
+__attribute__((always_inline)) inline __m512bh load_bf16(const at::BFloat16* p, int64_t remaining) {
   if (remaining >= 32) {
     return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
   }
@@ -60,6 +73,83 @@ void gemv_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16*
   }
 }
 
+
+// Batches of 9-64 rows (decode of many sequences): the same dot-product scheme, tiled so that a
+// block of R weight rows stays in L1 while every group of MB input rows streams past it; weights
+// are still read from memory once per call. A full tile has R * MB = 16 accumulators, reduced
+// together by reduce16.
+// PREFETCH: the first pass over a weight block also pulls the block PF_AHEAD blocks ahead into L2
+// (measured at M = 16/32/64 over SmolLM2's weights: 1 block ahead into L1 20.4/29.9/49.8 ms,
+// 8 ahead into L2 16.3/28.4/48.5 ms), so the weight stream overlaps with the compute.
+template <int MB, int R, bool PREFETCH>
+inline void tile_full(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
+                      int64_t m0, int64_t n, int64_t N, int64_t K) {
+  static_assert(MB * R == 16, "a full tile has 16 accumulators");
+  __m512 acc[R * MB];
+  _Pragma("GCC unroll 16") for (int i = 0; i < R * MB; ++i) acc[i] = _mm512_setzero_ps();
+  const at::BFloat16* xs = x + m0 * K;
+  const at::BFloat16* ws = w + n * K;
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[R];
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) wv[r] = load_bf16(ws + r * K + k, K - k);
+    if (PREFETCH) {
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(ws + (PF_AHEAD * R + r) * K + k), PF_HINT);
+    }
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
+      __m512bh xv = load_bf16(xs + m * K + k, K - k);
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], wv[r], xv);
+    }
+  }
+  // reduce16 leaves output (m, r) in lane m * R + r: each group of R lanes is R adjacent outputs of
+  // one row of y, so bias, rounding and stores are vector ops.
+  __m512 res = reduce16(acc);
+  if (bias) {
+    alignas(64) float bv[16];
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) bv[i] = static_cast<float>(bias[n + i % R]);
+    res = _mm512_add_ps(res, _mm512_load_ps(bv));
+  }
+  alignas(32) at::BFloat16 packed[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(packed), (__m256i)_mm512_cvtneps_pbh(res));
+  _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m)
+    std::memcpy(y + (m0 + m) * N + n, packed + m * R, R * sizeof(at::BFloat16));
+}
+
+// Leftover rows of x (fewer than MB) against R weight rows.
+template <int R>
+inline void tile_rest(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
+                      int64_t m0, int64_t mcount, int64_t n, int64_t N, int64_t K) {
+  for (int64_t m = m0; m < m0 + mcount; ++m) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh xv = load_bf16(x + m * K + k, K - k);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16(w + (n + r) * K + k, K - k), xv);
+    }
+    for (int r = 0; r < R; ++r) {
+      float b = bias ? static_cast<float>(bias[n + r]) : 0.0f;
+      y[m * N + n + r] = at::BFloat16(_mm512_reduce_add_ps(acc[r]) + b);
+    }
+  }
+}
+
+template <int MB, int R>
+void gemm_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
+               int64_t M, int64_t n0, int64_t n1, int64_t N, int64_t K) {
+  const int64_t mfull = M - M % MB;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    int64_t m = 0;
+    if (mfull > 0 && n + (PF_AHEAD + 1) * R <= n1) {
+      tile_full<MB, R, true>(x, w, bias, y, 0, n, N, K);
+      m = MB;
+    }
+    for (; m < mfull; m += MB) tile_full<MB, R, false>(x, w, bias, y, m, n, N, K);
+    if (mfull < M) tile_rest<R>(x, w, bias, y, mfull, M - mfull, n, N, K);
+  }
+  for (; n < n1; ++n) tile_rest<1>(x, w, bias, y, 0, M, n, N, K);
+}
+
 template <int M>
 void run(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
          int64_t N, int64_t K) {
@@ -75,7 +165,7 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   x = x.contiguous();
   w = w.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxM, "M must be in [1, 8]");
+  TORCH_CHECK(M >= 1, "x has no rows");
   auto y = torch::empty({M, N}, x.options());
   const at::BFloat16* bp = nullptr;
   torch::Tensor b;
@@ -94,7 +184,10 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     case 5: run<5>(xp, wp, bp, yp, N, K); break;
     case 6: run<6>(xp, wp, bp, yp, N, K); break;
     case 7: run<7>(xp, wp, bp, yp, N, K); break;
-    default: run<8>(xp, wp, bp, yp, N, K); break;
+    case 8: run<8>(xp, wp, bp, yp, N, K); break;
+    default:
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gemm_rows<GEMM_MB, 16 / GEMM_MB>(xp, wp, bp, yp, M, n0, n1, N, K); });
+      break;
   }
   return y;
 }
@@ -128,7 +221,18 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// kernels/csrc/cpu_attention.cpp
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+
+// kernels/csrc/cpu_fused.cpp
+torch::Tensor silu_mul_bf16(torch::Tensor x);
+void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");
+  m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
+  m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, "paged decode attention over a bf16 KV cache");
   m.def("bf16_gemv", &bf16_gemv, "small-batch bf16 x W^T");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");
 }

@@ -17,6 +17,14 @@ namespace {
 
 using chatserve_simd::reduce16;
 
+// Up to 8 rows: prefetch the weight row GEMV_PF_ROWS rows ahead into L2. Over SmolLM2's weights at
+// M = 1 (cold caches): 4 rows ahead into L1 12.2 ms, 16 ahead into L2 7.1-9.2 ms (up to ~38 GB/s).
+#ifndef GEMV_PF_ROWS
+#define GEMV_PF_ROWS 16
+#endif
+#ifndef GEMV_PF_HINT
+#define GEMV_PF_HINT _MM_HINT_T1
+#endif
 #ifndef PF_AHEAD
 #define PF_AHEAD 8
 #endif
@@ -50,7 +58,7 @@ void gemv_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16*
       for (int m = 0; m < M; ++m) xv[m] = load_bf16(x + m * K + k, K - k);
       for (int r = 0; r < R; ++r) {
         const at::BFloat16* wrow = w + (n + r) * K;
-        _mm_prefetch(reinterpret_cast<const char*>(wrow + k + 4 * K), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wrow + k + GEMV_PF_ROWS * K), GEMV_PF_HINT);
         __m512bh wv = load_bf16(wrow + k, K - k);
         for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
       }

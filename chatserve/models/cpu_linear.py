@@ -1,10 +1,10 @@
 """Faster bf16 linear layers on the CPU, with a bounded set of oneDNN matmul shapes.
 
 Measured on the 2-core AVX-512 dev box over a 30-layer SmolLM2-sized weight set plus its
-lm_head (cold caches), per forward of M rows (`/tmp`-style probe, see BENCHMARKS.md):
-M = 1-8 `F.linear` 23 ms, our AVX512-BF16 kernel (chatserve.kernels.cpu_gemv) 12 ms; M = 16
-28 vs 24 ms; M = 32 38 vs 37 ms; M = 64 60 vs 63 ms; above that oneDNN pulls ahead. So rows up
-to KERNEL_MAX_ROWS go to our kernel, and bigger inputs to oneDNN through `F.linear`.
+lm_head (cold caches), ms per forward of M rows, oneDNN (`F.linear`) vs our AVX512-BF16 kernel
+(chatserve.kernels.cpu_gemv): M=8 23.4 vs 11.7, M=16 29.2 vs 16.3, M=32 38.2 vs 28.4, M=64 62.0
+vs 48.5, M=128 99.8 vs 89.0, M=256 181 vs 173, M=1000 689 vs 726 (BENCHMARKS.md). So rows up to
+KERNEL_MAX_ROWS go to our kernel, and bigger inputs (prefill) to oneDNN.
 
 Why the pieces: oneDNN builds (and caches, up to 1,024 entries) one primitive per distinct matmul
 shape, a few hundred KiB each, and glibc then fragments around them. Under a serving workload

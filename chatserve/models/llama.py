@@ -159,9 +159,9 @@ class LlamaFamilyForCausalLM(nn.Module):
     def optimize_for_cpu(self, kernels: CpuKernels | None) -> str:
         """Pick the fastest bf16 matmuls this CPU offers; returns which, for the log.
 
-        With the kernel, every matmul keeps its plain weights (one copy: our kernel up
-        to 64 rows, oneDNN in power-of-two pieces above). Without it, every matmul uses
-        oneDNN-packed weights.
+        With the kernels, every matmul keeps its plain weights (one copy: our kernel up
+        to KERNEL_MAX_ROWS rows, oneDNN in power-of-two pieces above) and RMSNorm, rotary
+        and silu*up run in C++. Without them, every matmul uses oneDNN-packed weights.
         """
         if kernels is not None:
             gemv = self.gemv = kernels.gemv

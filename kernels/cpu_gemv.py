@@ -47,6 +47,7 @@ class CpuKernels:
     paged_decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
     rope_inplace: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]  # x [T, W], cos, sin, heads, head_dim
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, residual (+= x), w, eps
 
 
 def load_cpu_kernels() -> CpuKernels | None:
@@ -77,9 +78,10 @@ def load_cpu_kernels() -> CpuKernels | None:
                 logger.warning("bf16 gemv kernel gave wrong results; using F.linear")
                 return None
         _verify_paged_decode(ext.paged_decode_attention_bf16)
-        _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16)
+        _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16, ext.add_rms_norm_bf16)
         return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_decode=ext.paged_decode_attention_bf16,
-                          silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16)
+                          silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
+                          add_rms_norm=ext.add_rms_norm_bf16)
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
         return None
@@ -91,7 +93,8 @@ def _headers_hash() -> str:
     return hashlib.sha1(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:12]
 
 
-def _verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[..., None]) -> None:
+def _verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[..., None],
+                  add_rms_norm: Callable[..., torch.Tensor]) -> None:
     from chatserve.models.rope import apply_rotary
 
     gen = torch.Generator().manual_seed(0)
@@ -106,6 +109,14 @@ def _verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[
     rope_inplace(qkv, cos, sin, 3, 32)
     if not torch.allclose(qkv[:, :96].float().view(3, 3, 32), ref, atol=3e-2, rtol=2e-2):
         raise RuntimeError("rope kernel gave wrong results")
+    x = torch.randn(3, 32, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(3, 32, generator=gen).to(torch.bfloat16)
+    w = (torch.rand(32, generator=gen) + 0.5).to(torch.bfloat16)
+    summed = residual + x
+    ref = torch.nn.functional.rms_norm(summed.float(), (32,), w.float(), 1e-5)
+    out = add_rms_norm(x, residual, w, 1e-5)
+    if not (torch.equal(residual, summed) and torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)):
+        raise RuntimeError("add_rms_norm kernel gave wrong results")
 
 
 def _verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:

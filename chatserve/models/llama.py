@@ -30,6 +30,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.fast = None  # a C++ bf16 RMSNorm, set by LlamaFamilyForCausalLM.optimize_for_cpu
+        self.fast_add = None  # the C++ bf16 residual add + RMSNorm, likewise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -41,6 +42,18 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual stream's add fused with the next norm.
+
+        Same arithmetic either way (the sum is rounded to the stream's dtype before the norm); the
+        C++ pass updates `residual` in place for small bf16 batches, saving one op and one pass.
+        """
+        if (self.fast_add is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= 64
+                and residual.is_contiguous()):
+            return self.fast_add(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -108,9 +121,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the caller adds them
+        (the next layer does it fused with its first norm). residual=None for the first layer."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        a = self.self_attn(x, batch, k_cache, v_cache)
+        x, residual = self.post_attention_layernorm.add_and_norm(a, residual)
+        return self.mlp(x), residual
 
 
 # HF parameter name fragment -> (our merged parameter, shard index)
@@ -143,9 +165,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         """
         h = self.embed_tokens(batch.input_ids)
         batch.rope_cos, batch.rope_sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, kv_cache[i, 0], kv_cache[i, 1])
-        h = h.index_select(0, batch.logits_indices)
+            h, residual = layer(h, residual, batch, kv_cache[i, 0], kv_cache[i, 1])
+        h = (h if residual is None else residual + h).index_select(0, batch.logits_indices)
         if h.shape[0] == 0:  # a step of prefill chunks only: the KV cache is filled, nothing to sample
             return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         h = self.norm(h)
@@ -169,6 +192,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.fast = kernels.rms_norm
+                    if module.weight.shape[0] % 16 == 0:
+                        module.fast_add = kernels.add_rms_norm
                 elif isinstance(module, MLP) and module.intermediate_size % 16 == 0:
                     module.silu_mul = kernels.silu_mul
                 elif isinstance(module, Attention) and not module.qk_norm and module.head_dim % 32 == 0:

@@ -236,10 +236,12 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
 // kernels/csrc/cpu_fused.cpp
 torch::Tensor silu_mul_bf16(torch::Tensor x);
 void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
+torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, "paged decode attention over a bf16 KV cache");
   m.def("bf16_gemv", &bf16_gemv, "small-batch bf16 x W^T");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");

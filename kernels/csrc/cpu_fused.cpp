@@ -9,6 +9,8 @@
 
 #include "simd.h"
 
+#include <cmath>
+
 namespace {
 
 using chatserve_simd::exp_ps;
@@ -79,4 +81,41 @@ void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, in
       }
     }
   });
+}
+
+// The residual stream's add and the next RMSNorm in one pass: residual += x (rounded to bf16, as
+// torch's add does), returns rmsnorm(residual) * w (fp32 inside, rounded once).
+torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && residual.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && w.dim() == 1 && w.size(0) == x.size(1) &&
+                  x.size(1) % 16 == 0, "x, residual [M, D] with D % 16 == 0; w [D]");
+  TORCH_CHECK(residual.is_contiguous(), "residual is updated in place and must be contiguous");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), D = x.size(1);
+  auto y = torch::empty_like(x);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::BFloat16* rp = residual.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      at::BFloat16* r = rp + m * D;
+      const at::BFloat16* xr = xp + m * D;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        // round the sum to bf16 first: the stored residual and the normalised value must agree
+        const __m256bh sum = _mm512_cvtneps_pbh(_mm512_add_ps(load16_bf16_as_fp32(r + d), load16_bf16_as_fp32(xr + d)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + d), (__m256i)sum);
+        const __m512 v = load16_bf16_as_fp32(r + d);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + static_cast<float>(eps)));
+      for (int64_t d = 0; d < D; d += 16)
+        store16_fp32_as_bf16(yp + m * D + d,
+                             _mm512_mul_ps(_mm512_mul_ps(load16_bf16_as_fp32(r + d), inv), load16_bf16_as_fp32(wp + d)));
+    }
+  });
+  return y;
 }

@@ -1,9 +1,7 @@
-"""A small-batch bf16 matmul for AVX512-BF16 CPUs, compiled on first use.
-
-Decoding reads every weight once per token, so its speed is the speed at which
-weights stream from memory. Measured on the 2-core dev box over a 30-layer
-SmolLM2-sized weight set (cold caches): oneDNN's bf16 path 13 GB/s, this kernel
-21 GB/s at batch 1 (the same as MKL's fp32 sgemv, on half the bytes).
+"""C++ kernels for AVX512-BF16 CPUs, compiled on first use: the bf16 matmul for decode batch
+sizes (csrc/bf16_gemv.cpp), paged decode attention (csrc/cpu_attention.cpp), and fused rotary,
+silu*up and RMSNorm (csrc/cpu_fused.cpp). Each is checked against torch here before it is used.
+Why and how fast: BENCHMARKS.md ("Offline runtime").
 
 The extension is built once per machine with torch's cpp_extension (ninja and a
 C++ compiler) and cached; if anything is missing, `load_cpu_kernels` returns None
@@ -95,8 +93,6 @@ def _headers_hash() -> str:
 
 def _verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[..., None],
                   add_rms_norm: Callable[..., torch.Tensor]) -> None:
-    from chatserve.models.rope import apply_rotary
-
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 64, generator=gen) * 4).to(torch.bfloat16)
     ref = torch.nn.functional.silu(x[:, :32].float()) * x[:, 32:].float()
@@ -105,7 +101,8 @@ def _verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[
     qkv = torch.randn(3, 5 * 32, generator=gen).to(torch.bfloat16)
     angles = torch.randn(3, 1, 16, generator=gen).repeat(1, 1, 2)
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    ref = apply_rotary(qkv[:, :96].float().view(3, 3, 32), cos.float(), sin.float())
+    qk = qkv[:, :96].float().view(3, 3, 32)
+    ref = qk * cos.float() + torch.cat((-qk[..., 16:], qk[..., :16]), dim=-1) * sin.float()  # rotate-half
     rope_inplace(qkv, cos, sin, 3, 32)
     if not torch.allclose(qkv[:, :96].float().view(3, 3, 32), ref, atol=3e-2, rtol=2e-2):
         raise RuntimeError("rope kernel gave wrong results")

@@ -635,6 +635,15 @@ class Runner:
 # ---------------------------------------------------------------------------------------------------
 # Progress bar (stderr, only on a terminal)
 # ---------------------------------------------------------------------------------------------------
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel a background task and wait until it has stopped."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
 class Progress:
     def __init__(self, total: int, runner: Runner, enabled: bool) -> None:
         self.total = total
@@ -666,11 +675,7 @@ class Progress:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await _cancel(self._task)
             self.render(final=True)
 
 
@@ -696,11 +701,7 @@ class MetricsWatcher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await _cancel(self._task)
 
     async def wait_idle(self, expected_aborts: float, base_aborts: float, timeout: float) -> float | None:
         """Poll until nothing runs or waits and the abort counters reached expected; the time it happened."""

@@ -22,6 +22,9 @@ from .cpu_linear import KERNEL_MAX_ROWS, Gemv, GemvLinear, PackedLinear, kernel_
 from .rope import RotaryEmbedding, apply_rotary
 
 
+FAST_NORM_MAX_ROWS = 64  # the C++ norms run rows serially; torch's parallel op wins on big batches
+
+
 class RMSNorm(nn.Module):
     """Computed in float32 and cast back before the weight, as transformers does (bit-exact in fp32)."""
 
@@ -35,7 +38,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != torch.float32:
-            if self.fast is not None and x.dim() == 2 and x.shape[0] <= 64:  # small batches only
+            if self.fast is not None and x.dim() == 2 and x.shape[0] <= FAST_NORM_MAX_ROWS:
                 return self.fast(x, self.weight, self.eps)
             # one fused op; differs from the formula below by at most one bf16 ulp
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -49,8 +52,8 @@ class RMSNorm(nn.Module):
         Same arithmetic either way (the sum is rounded to the stream's dtype before the norm); the
         C++ pass updates `residual` in place for small bf16 batches, saving one op and one pass.
         """
-        if (self.fast_add is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= 64
-                and residual.is_contiguous()):
+        if (self.fast_add is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.shape[0] <= FAST_NORM_MAX_ROWS and residual.is_contiguous()):
             return self.fast_add(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self(residual), residual
@@ -77,22 +80,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.rope_inplace is not None and qkv.dtype == torch.bfloat16:
-            # one C++ pass rotates q and k inside the fused projection's output
+        rotated = self.rope_inplace is not None and qkv.dtype == torch.bfloat16
+        if rotated:
+            # one C++ pass rotates q and k inside the fused projection's output (qk below views it)
             self.rope_inplace(qkv, batch.rope_cos, batch.rope_sin, self.num_heads + self.num_kv_heads, self.head_dim)
-            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-            out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # q and k rotate together: one set of elementwise ops instead of two
-        qk = apply_rotary(qk, batch.rope_cos, batch.rope_sin)
+        if not rotated:
+            if self.qk_norm:
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            # q and k rotate together: one set of elementwise ops instead of two
+            qk = apply_rotary(qk, batch.rope_cos, batch.rope_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -10,7 +10,6 @@
 
 #include "simd.h"
 
-#include <cmath>
 #include <cstring>
 
 namespace {
@@ -200,35 +199,6 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return y;
 }
 
-// RMSNorm over the last dim of a bf16 [M, D] tensor, computed in fp32 with one rounding at the end.
-// Why: torch's fused rms_norm costs 50-100 us a call on small batches here (an OpenMP region per
-// call); a decode step makes 61 of them. Rows run serially unless there are many.
-torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "shape mismatch");
-  x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), D = x.size(1);
-  auto y = torch::empty_like(x);
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const at::BFloat16* row = xp + m * D;
-      float ss = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        float v = static_cast<float>(row[d]);
-        ss += v * v;
-      }
-      const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-      at::BFloat16* out = yp + m * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = at::BFloat16(static_cast<float>(row[d]) * r * static_cast<float>(wp[d]));
-    }
-  });
-  return y;
-}
-
 // kernels/csrc/cpu_attention.cpp
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
@@ -237,6 +207,7 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
 torch::Tensor silu_mul_bf16(torch::Tensor x);
 void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");

@@ -1,5 +1,6 @@
 """C++ kernels for AVX512-BF16 CPUs, compiled on first use: the bf16 matmul for decode batch
-sizes (csrc/bf16_gemv.cpp), paged decode attention (csrc/cpu_attention.cpp), and fused rotary,
+sizes (csrc/bf16_gemv.cpp), the AMX tile matmul over pre-packed weights for CPUs that have AMX
+(csrc/amx_gemm.cpp), paged decode attention (csrc/cpu_attention.cpp), and fused rotary,
 silu*up and RMSNorm (csrc/cpu_fused.cpp). Each is checked against torch here before it is used.
 Why and how fast: BENCHMARKS.md ("Offline runtime").
 
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 MAX_GEMV_ROWS = 128  # the kernel takes any row count; above this oneDNN is as fast (see models/cpu_linear.py)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("bf16_gemv.cpp", "cpu_attention.cpp", "cpu_fused.cpp")]
+_SOURCES = [_CSRC / name for name in ("bf16_gemv.cpp", "amx_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp")]
 _HEADERS = [_CSRC / "simd.h"]
 
 
@@ -38,6 +39,15 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 @dataclass(frozen=True)
+class AmxMatmul:
+    """Intel AMX tile matmul over weights packed once into the tile layout (csrc/amx_gemm.cpp)."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]  # bf16 [N, K] -> packed [ceil(N/16), ceil(K/32), 16, 32]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # x [M, K], packed, bias, N
+    rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, int64 ids [T], N, K -> rows [T, K]
+
+
+@dataclass(frozen=True)
 class CpuKernels:
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x[M, K] . w[N, K]^T (+ bias)
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # bf16 rows [M, D], weight [D], eps
@@ -46,6 +56,7 @@ class CpuKernels:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
     rope_inplace: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]  # x [T, W], cos, sin, heads, head_dim
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, residual (+= x), w, eps
+    amx: AmxMatmul | None = None  # where the CPU has AMX tiles (and the OS lets us use them)
 
 
 def load_cpu_kernels() -> CpuKernels | None:
@@ -60,7 +71,8 @@ def load_cpu_kernels() -> CpuKernels | None:
             sources=[str(p) for p in _SOURCES],
             # -fopenmp: at::parallel_for is inlined from headers and is serial without it
             # the header's hash in the flags: torch rebuilds when sources or flags change, not headers
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
+            # -mamx-*: only the AMX functions use tile instructions; they run only where amx_available()
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -79,10 +91,30 @@ def load_cpu_kernels() -> CpuKernels | None:
         _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16, ext.add_rms_norm_bf16)
         return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_decode=ext.paged_decode_attention_bf16,
                           silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
-                          add_rms_norm=ext.add_rms_norm_bf16)
+                          add_rms_norm=ext.add_rms_norm_bf16, amx=_load_amx(ext))
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
         return None
+
+
+def _load_amx(ext) -> AmxMatmul | None:
+    """The AMX matmul, proven on this machine, or None (no AMX, the OS refuses tiles, or wrong results)."""
+    if os.environ.get("CHATSERVE_DISABLE_AMX") == "1" or not ext.amx_available():
+        return None
+    amx = AmxMatmul(pack=ext.amx_pack_weight, linear=ext.amx_linear, rows=ext.amx_packed_rows)
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 48, 64), (17, 40, 80), (35, 96, 64)):  # every chunk and column-block tail
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        packed = amx.pack(w)
+        ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        out = amx.linear(x, packed, b, n).float()
+        ids = torch.tensor([n - 1, 0, 17])
+        if not torch.allclose(out, ref, atol=0.02 * float(ref.abs().max()) + 0.02) or not torch.equal(amx.rows(packed, ids, n, k), w[ids]):
+            logger.warning("AMX matmul gave wrong results; using the AVX512-BF16 kernel")
+            return None
+    return amx
 
 
 def _headers_hash() -> str:

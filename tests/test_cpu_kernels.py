@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (bf16 matmul, RMSNorm, paged decode attention) against torch, the bounded
-matmul shapes, and the KV pool's zero-on-first-use."""
+"""The C++ CPU kernels (bf16 matmuls, AMX tile matmul, RMSNorm, paged decode attention) against
+torch, the bounded matmul shapes, and the KV pool's zero-on-first-use."""
 
 from __future__ import annotations
 
@@ -19,6 +19,63 @@ def kernels():
     if k is None:
         pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
     return k
+
+
+@pytest.fixture(scope="module")
+def amx(kernels):
+    if kernels.amx is None:
+        pytest.skip("this CPU (or its OS) offers no AMX tiles: the AVX512-BF16 kernel is used instead")
+    return kernels.amx
+
+
+# model shapes, the tied lm_head's, and ragged N and K (zero-padded tiles)
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (4000, 576), (100, 70), (24, 40)])
+def test_amx_linear_matches_float_matmul(amx, shape):
+    """Every row count the tiles treat differently: 1-16 (tiles configured for M rows, x read in
+    place), 17-32 (a pair of chunks, the second zero-padded), odd chunk counts, several row blocks."""
+    torch.manual_seed(shape[0])
+    n, k = shape
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16)
+    packed = amx.pack(w)
+    assert packed.shape == ((n + 15) // 16, (k + 31) // 32, 16, 32)
+    for m in [*range(1, 18), 31, 32, 33, 48, 63, 64, 65, 100, 129, 300]:
+        x = torch.randn(m, k).to(torch.bfloat16)
+        ref = F.linear(x.float(), w.float(), b.float())
+        tol = dict(atol=1e-2 * float(ref.abs().max()), rtol=8e-3)  # one bf16 rounding of the result
+        torch.testing.assert_close(amx.linear(x, packed, b, n).float(), ref, **tol)
+        torch.testing.assert_close(amx.linear(x, packed, None, n).float(), F.linear(x.float(), w.float()), **tol)
+
+
+def test_amx_linear_reads_strided_rows_and_refuses_mismatches(amx):
+    torch.manual_seed(3)
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    packed = amx.pack(w)
+    wide = torch.randn(40, 200).to(torch.bfloat16)
+    x = wide[:, 7:103]  # a strided view, as a fused projection's slice would be
+    torch.testing.assert_close(amx.linear(x, packed, None, 64).float(), F.linear(x.float(), w.float()), atol=0.1, rtol=8e-3)
+    assert amx.linear(x[:0], packed, None, 64).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        amx.linear(torch.randn(3, 128).to(torch.bfloat16), packed, None, 64)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        amx.linear(x, packed, None, 80)
+    with pytest.raises(RuntimeError, match="bias"):
+        amx.linear(x, packed, torch.randn(63).to(torch.bfloat16), 64)
+
+
+@pytest.mark.parametrize("shape", [(49, 576), (16, 32), (5, 70)])
+def test_amx_packed_rows_give_back_the_exact_weight_rows(amx, shape):
+    """A tied embedding looks tokens up in the lm_head's packed copy: bit for bit the original rows."""
+    torch.manual_seed(4)
+    n, k = shape
+    w = torch.randn(n, k).to(torch.bfloat16)
+    packed = amx.pack(w)
+    ids = torch.tensor([0, n - 1, n // 2, 0, n - 1])
+    assert torch.equal(amx.rows(packed, ids, n, k), w[ids])
+    assert torch.equal(amx.rows(packed, torch.arange(n), n, k), w)
+    for bad in (-1, n):  # n: inside the zero padding of the last column block, still not a row
+        with pytest.raises(RuntimeError, match="out of range"):
+            amx.rows(packed, torch.tensor([bad]), n, k)
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 70)])  # model shapes and a ragged K tail
@@ -165,9 +222,11 @@ def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
 
 
-def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch):
-    """The bf16 model with every C++ kernel (matmul at all batch sizes, paged decode attention,
-    rotary, silu*up, residual add + RMSNorm) against the same model on torch/oneDNN ops: while the
+@pytest.mark.parametrize("matmul", ["amx", "avx512"])
+def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch, matmul):
+    """The bf16 model with every C++ kernel (matmul at all batch sizes, on AMX tiles and on the
+    AVX512-BF16 kernel, paged decode attention, rotary, silu*up, residual add + RMSNorm) against
+    the same model on torch/oneDNN ops: while the
     two greedy continuations agree, each step's chosen token is in the other path's top 5, and the
     log-probabilities differ by bf16 noise only. A ragged batch, one prompt over 128 tokens (oneDNN
     pieces + kernel remainder). Measured: mean |diff| 0.044, max 0.31 over 60 steps; with the decode
@@ -175,8 +234,12 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(1000, 1000 + n))} for n in (5, 17, 33, 150, 64)]
     prompts += ["The capital of France is", "Write a short poem about the sea.", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    if matmul == "amx" and kernels.amx is None:
+        pytest.skip("no AMX tiles here")
+    monkeypatch.setenv("CHATSERVE_DISABLE_AMX", "1" if matmul == "avx512" else "0")
     fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False)
     assert fast.engine.runner.decode_kernel is not None
+    assert ("AMX" in fast.engine.runner.linear_impl) == (matmul == "amx")
     fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
     del fast
     monkeypatch.setenv("CHATSERVE_DISABLE_GEMV", "1")
@@ -193,3 +256,25 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch):
                 break
     assert len(diffs) >= len(prompts) * 2  # decode steps were compared, not only the prefill
     assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.6, (sum(diffs) / len(diffs), max(diffs))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3-rope"])  # QKV bias + tied; q/k norm; untied lm_head
+def test_tiny_models_bf16_kernel_path_agrees_with_torch_path(kernels, tiny_checkpoint, monkeypatch, arch):
+    """Shapes the default model does not have (hidden 64, head_dim 16/32, biases, an untied
+    lm_head, a tied one read back as the embedding): the first step's log-probabilities of a
+    ragged batch, bf16 with the kernels against bf16 on torch ops."""
+    folder = str(tiny_checkpoint(arch))
+    prompts = [{"prompt_token_ids": list(range(500, 500 + n))} for n in (1, 7, 16, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    fast = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False)
+    fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
+    monkeypatch.setenv("CHATSERVE_DISABLE_GEMV", "1")
+    slow = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False)
+    assert slow.engine.runner.linear_impl != fast.engine.runner.linear_impl
+    slow_out = [o.outputs[0] for o in slow.generate(prompts, params)]
+    for a, b in zip(fast_out, slow_out):
+        la, lb = a.logprobs[0], b.logprobs[0]
+        shared = set(la) & set(lb)
+        assert len(shared) >= 3, (la, lb)
+        for tok in shared:
+            assert abs(la[tok].logprob - lb[tok].logprob) < 0.1, (arch, tok, la[tok], lb[tok])

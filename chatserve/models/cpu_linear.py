@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
+from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, AmxMatmul
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,37 @@ class GemvLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernel_linear(x, self.weight, self.bias, self.gemv)
+
+
+class AmxLinear(nn.Module):
+    """Drop-in for `nn.Linear` on 2-D inputs over a weight packed into the AMX tile layout.
+
+    Only the packed copy is kept. One kernel for every row count: a shape-free C++ loop, so
+    nothing is cached per shape (unlike oneDNN, above)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amx: AmxMatmul) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        with torch.no_grad():
+            self.packed_weight = amx.pack(weight.detach())
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.amx = amx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.amx.linear(x, self.packed_weight, self.bias, self.out_features)
+
+
+class PackedEmbedding(nn.Module):
+    """Token embedding that reads its rows from a tied lm_head's AMX-packed weight."""
+
+    def __init__(self, head: AmxLinear, amx: AmxMatmul) -> None:
+        super().__init__()
+        self.head = head
+        self.amx = amx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.amx.rows(self.head.packed_weight, ids, self.head.out_features, self.head.in_features)
 
 
 def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

@@ -18,7 +18,7 @@ from chatserve.kernels.cpu_gemv import CpuKernels
 from ..attention import paged_attention
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .cpu_linear import KERNEL_MAX_ROWS, Gemv, GemvLinear, PackedLinear, kernel_linear, pack_linears, replace_linears
+from .cpu_linear import KERNEL_MAX_ROWS, AmxLinear, GemvLinear, PackedEmbedding, PackedLinear, pack_linears, replace_linears
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -154,8 +154,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
-        self.packed_lm_head: PackedLinear | None = None
-        self.gemv: Gemv | None = None
+        self.logits_head: nn.Module | None = None  # a faster lm_head, set by optimize_for_cpu
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -172,39 +171,51 @@ class LlamaFamilyForCausalLM(nn.Module):
         if h.shape[0] == 0:  # a step of prefill chunks only: the KV cache is filled, nothing to sample
             return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         h = self.norm(h)
+        if self.logits_head is not None:
+            return self.logits_head(h).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv is not None:
-            return kernel_linear(h, weight, None, self.gemv).float()
-        if self.packed_lm_head is not None:
-            return self.packed_lm_head(h).float()
         return F.linear(h, weight).float()
 
     def optimize_for_cpu(self, kernels: CpuKernels | None) -> str:
         """Pick the fastest bf16 matmuls this CPU offers; returns which, for the log.
 
-        With the kernels, every matmul keeps its plain weights (one copy: our kernel up
-        to KERNEL_MAX_ROWS rows, oneDNN in power-of-two pieces above) and RMSNorm, rotary
-        and silu*up run in C++. Without them, every matmul uses oneDNN-packed weights.
+        Every matmul keeps one copy of its weights. With AMX, each is packed into the tile
+        layout (a tied embedding then reads its rows from the lm_head's packed copy); without
+        AMX but with the AVX512-BF16 kernels, plain weights (our kernel up to KERNEL_MAX_ROWS
+        rows, oneDNN in power-of-two pieces above); with neither, oneDNN-packed weights. With
+        the kernels, RMSNorm, rotary and silu*up run in C++.
         """
-        if kernels is not None:
-            gemv = self.gemv = kernels.gemv
-            replace_linears(self.layers, lambda lin: GemvLinear(lin.weight, lin.bias, gemv))
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.fast = kernels.rms_norm
-                    if module.weight.shape[0] % 16 == 0:
-                        module.fast_add = kernels.add_rms_norm
-                elif isinstance(module, MLP) and module.intermediate_size % 16 == 0:
-                    module.silu_mul = kernels.silu_mul
-                elif isinstance(module, Attention) and not module.qk_norm and module.head_dim % 32 == 0:
-                    module.rope_inplace = kernels.rope_inplace
-            return f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN; C++ RMSNorm, rotary, silu*up"
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = PackedLinear(weight, None)
-        pack_linears(self.layers)
-        if self.lm_head is not None:
-            self.lm_head = None  # the packed copy replaces it
-        return "oneDNN prepacked"
+        head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if kernels is None:
+            self.logits_head = PackedLinear(head_weight, None)
+            pack_linears(self.layers)
+            self.lm_head = None  # the packed copy replaces it (a tied one stays as the embedding)
+            return "oneDNN prepacked"
+        self._use_fused_kernels(kernels)
+        amx = kernels.amx
+        if amx is not None:
+            replace_linears(self.layers, lambda lin: AmxLinear(lin.weight, lin.bias, amx))
+            self.logits_head = AmxLinear(head_weight, None, amx)
+            if self.lm_head is None:  # tied: one packed copy serves both
+                self.embed_tokens = PackedEmbedding(self.logits_head, amx)
+            self.lm_head = None
+            return "AMX tiles over packed weights; C++ RMSNorm, rotary, silu*up"
+        gemv = kernels.gemv
+        replace_linears(self.layers, lambda lin: GemvLinear(lin.weight, lin.bias, gemv))
+        self.logits_head = GemvLinear(head_weight, None, gemv)  # shares the tensor: no copy
+        self.lm_head = None
+        return f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN; C++ RMSNorm, rotary, silu*up"
+
+    def _use_fused_kernels(self, kernels: CpuKernels) -> None:
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fast = kernels.rms_norm
+                if module.weight.shape[0] % 16 == 0:
+                    module.fast_add = kernels.add_rms_norm
+            elif isinstance(module, MLP) and module.intermediate_size % 16 == 0:
+                module.silu_mul = kernels.silu_mul
+            elif isinstance(module, Attention) and not module.qk_norm and module.head_dim % 32 == 0:
+                module.rope_inplace = kernels.rope_inplace
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled."""

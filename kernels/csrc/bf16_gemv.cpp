@@ -199,6 +199,12 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return y;
 }
 
+// kernels/csrc/amx_gemm.cpp
+bool amx_available();
+torch::Tensor amx_pack_weight(torch::Tensor w);
+torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t N, int64_t K);
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
+
 // kernels/csrc/cpu_attention.cpp
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
@@ -210,6 +216,10 @@ torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
+  m.def("amx_pack_weight", &amx_pack_weight, "bf16 [N, K] -> AMX tile layout [NB, KB, 16, 32]");
+  m.def("amx_packed_rows", &amx_packed_rows, "rows of the matrix behind an AMX-packed weight");
+  m.def("amx_linear", &amx_linear, "bf16 x W^T (+ bias) over an AMX-packed weight");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");

@@ -83,7 +83,7 @@ def paged_attention(
     """Store the new K/V, then attend decodes and extends."""
     if batch.attention_backend == "triton":
         return _triton_attention(q, k, v, k_cache, v_cache, batch, scale)
-    store_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+    (batch.store_kv_kernel or store_kv_cache)(k, v, k_cache, v_cache, batch.slot_mapping)
     nd = batch.num_decodes
     if batch.num_extends == 0:
         return _decode(q, k_cache, v_cache, batch, scale)

@@ -54,6 +54,8 @@ class ForwardBatch:
     decode_mask: torch.Tensor | None = None  # [Bp, 1, 1, L] or None when lengths are equal
     # a compiled kernel for the plain decodes (reads the paged cache in place; no mask needed)
     decode_kernel: Callable[..., torch.Tensor] | None = None
+    # a compiled kernel that writes the new K/V into the cache (the torch reference op otherwise)
+    store_kv_kernel: Callable[..., None] | None = None
     # extend part: the remaining tokens
     num_extends: int = 0
     extend_groups: list[ExtendGroup] = field(default_factory=list)
@@ -123,6 +125,7 @@ def build_forward_batch(
     min_cascade_blocks: int = MIN_CASCADE_BLOCKS,
     attention_backend: str = "torch",
     decode_kernel: Callable[..., torch.Tensor] | None = None,
+    store_kv_kernel: Callable[..., None] | None = None,
 ) -> ForwardBatch:
     """Pack decodes and prefill chunks into flat tensors.
 
@@ -161,6 +164,7 @@ def build_forward_batch(
         num_decodes=len(decode_tokens),
         num_extends=len(extend_tokens),
         attention_backend=attention_backend,
+        store_kv_kernel=None if triton else store_kv_kernel,
     )
 
     # ---- decodes ----

@@ -92,11 +92,14 @@ class ModelRunner:
         self.model = model.eval()
         self.linear_impl = "torch F.linear"
         self.decode_kernel = None  # the compiled CPU paged decode attention, where it applies
+        self.store_kv_kernel = None  # and the compiled K/V store
         if packed_linear_available(dtype, device):
             kernels = load_cpu_kernels()
             self.linear_impl = self.model.optimize_for_cpu(kernels)
-            if kernels is not None and attention_backend == "torch" and _decode_kernel_fits(model_config):
-                self.decode_kernel = kernels.paged_decode
+            if kernels is not None and attention_backend == "torch":
+                self.store_kv_kernel = kernels.store_kv
+                if _decode_kernel_fits(model_config):
+                    self.decode_kernel = kernels.paged_decode
         logger.info("matmuls: %s; attention: %s%s", self.linear_impl, attention_backend,
                     " (C++ paged decode)" if self.decode_kernel is not None else "")
         self.load_seconds = time.perf_counter() - t0
@@ -180,6 +183,7 @@ class ModelRunner:
             device=self.device,
             attention_backend=self.attention_backend,
             decode_kernel=self.decode_kernel,
+            store_kv_kernel=self.store_kv_kernel,
         )
         sampled = [s for s in decodes + extends if s.completes_prompt]
         if batch.logits_indices.numel() == 0:

@@ -53,6 +53,8 @@ class CpuKernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # bf16 rows [M, D], weight [D], eps
     # q [B, H, D], k/v cache [blocks, block_size, KVH, D], block tables [B, nb] int64, context lens [B] int64, scale
     paged_decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # k, v [T, KVH, D], k/v cache [blocks, block_size, KVH, D], slot mapping [T] int64 (-1: skip)
+    store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
     rope_inplace: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]  # x [T, W], cos, sin, heads, head_dim
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, residual (+= x), w, eps
@@ -87,10 +89,10 @@ def load_cpu_kernels() -> CpuKernels | None:
             if not torch.allclose(fn(x, w, b).float(), ref, atol=0.05 * float(ref.abs().max()) + 0.05):
                 logger.warning("bf16 gemv kernel gave wrong results; using F.linear")
                 return None
-        _verify_paged_decode(ext.paged_decode_attention_bf16)
+        _verify_paged_decode(ext.paged_decode_attention_bf16, ext.store_kv_bf16)
         _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16, ext.add_rms_norm_bf16)
         return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_decode=ext.paged_decode_attention_bf16,
-                          silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
+                          store_kv=ext.store_kv_bf16, silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
                           add_rms_norm=ext.add_rms_norm_bf16, amx=_load_amx(ext))
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
@@ -156,8 +158,8 @@ def _verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], tor
         raise RuntimeError("rms_norm kernel gave wrong results")
 
 
-def _verify_paged_decode(paged_decode: Callable[..., torch.Tensor]) -> None:
-    from chatserve.kernels.reference import paged_decode_attention
+def _verify_paged_decode(paged_decode: Callable[..., torch.Tensor], store_kv: Callable[..., None]) -> None:
+    from chatserve.kernels.reference import paged_decode_attention, store_kv_cache
 
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(6, 4, 2, 32, generator=gen).to(torch.bfloat16)
@@ -168,3 +170,10 @@ def _verify_paged_decode(paged_decode: Callable[..., torch.Tensor]) -> None:
     ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.2)
     if not torch.allclose(paged_decode(q, k_cache, v_cache, tables, lens, 0.2).float(), ref, atol=2e-2, rtol=2e-2):
         raise RuntimeError("paged decode attention kernel gave wrong results")
+    kv = torch.randn(3, 2 * 2 * 32, generator=gen).to(torch.bfloat16).view(3, 4, 32)  # strided K and V views
+    slots = torch.tensor([5, -1, 22])
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    store_kv_cache(kv[:, :2], kv[:, 2:], expect_k, expect_v, slots)
+    store_kv(kv[:, :2], kv[:, 2:], k_cache, v_cache, slots)
+    if not (torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)):
+        raise RuntimeError("store_kv kernel gave wrong results")

@@ -278,3 +278,23 @@ def test_tiny_models_bf16_kernel_path_agrees_with_torch_path(kernels, tiny_check
         assert len(shared) >= 3, (la, lb)
         for tok in shared:
             assert abs(la[tok].logprob - lb[tok].logprob) < 0.1, (arch, tok, la[tok], lb[tok])
+
+
+def test_store_kv_kernel_matches_reference_and_refuses_bad_slots(kernels):
+    """Strided K/V views out of a fused projection, skipped (-1) slots, slots in any block."""
+    from chatserve.kernels.reference import store_kv_cache
+
+    torch.manual_seed(5)
+    k_cache = torch.randn(5, 16, 3, 64).to(torch.bfloat16)
+    v_cache = torch.randn(5, 16, 3, 64).to(torch.bfloat16)
+    qkv = torch.randn(7, (9 + 3 + 3) * 64).to(torch.bfloat16)
+    k = qkv[:, 9 * 64 : 12 * 64].view(7, 3, 64)
+    v = qkv[:, 12 * 64 :].view(7, 3, 64)
+    slots = torch.tensor([0, 79, -1, 17, 40, -1, 33])
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv_cache(k, v, ref_k, ref_v, slots)
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    for bad in (80, -2):
+        with pytest.raises(RuntimeError, match="outside the KV pool"):
+            kernels.store_kv(k[:1], v[:1], k_cache, v_cache, torch.tensor([bad]))

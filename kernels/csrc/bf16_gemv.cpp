@@ -208,6 +208,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 // kernels/csrc/cpu_attention.cpp
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slot_mapping);
 
 // kernels/csrc/cpu_fused.cpp
 torch::Tensor silu_mul_bf16(torch::Tensor x);
@@ -223,6 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
+  m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, "paged decode attention over a bf16 KV cache");
   m.def("bf16_gemv", &bf16_gemv, "small-batch bf16 x W^T");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");

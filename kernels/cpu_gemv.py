@@ -42,9 +42,15 @@ def cpu_has_avx512_bf16() -> bool:
 class AmxMatmul:
     """Intel AMX tile matmul over weights packed once into the tile layout (csrc/amx_gemm.cpp)."""
 
-    pack: Callable[[torch.Tensor], torch.Tensor]  # bf16 [N, K] -> packed [ceil(N/16), ceil(K/32), 16, 32]
+    pack: Callable[..., torch.Tensor]  # bf16 [N, K] (, out=) -> packed [ceil(N/16), ceil(K/32), 16, 32]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # x [M, K], packed, bias, N
     rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, int64 ids [T], N, K -> rows [T, K]
+    huge_page_zeros: Callable[[int], torch.Tensor]  # numel -> bf16 [numel] advised for transparent huge pages
+    release_free_memory: Callable[[], None]  # glibc malloc_trim, after the plain weights are freed
+
+    @staticmethod
+    def packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
+        return ((n + 15) // 16, (k + 31) // 32, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,8 @@ def _load_amx(ext) -> AmxMatmul | None:
     """The AMX matmul, proven on this machine, or None (no AMX, the OS refuses tiles, or wrong results)."""
     if os.environ.get("CHATSERVE_DISABLE_AMX") == "1" or not ext.amx_available():
         return None
-    amx = AmxMatmul(pack=ext.amx_pack_weight, linear=ext.amx_linear, rows=ext.amx_packed_rows)
+    amx = AmxMatmul(pack=ext.amx_pack_weight, linear=ext.amx_linear, rows=ext.amx_packed_rows,
+                    huge_page_zeros=ext.huge_page_zeros, release_free_memory=ext.release_free_memory)
     gen = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 48, 64), (17, 40, 80), (35, 96, 64)):  # every chunk and column-block tail
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16)

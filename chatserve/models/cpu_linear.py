@@ -19,6 +19,7 @@ power-of-two pieces for the same reason.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -125,17 +126,41 @@ class AmxLinear(nn.Module):
     Only the packed copy is kept. One kernel for every row count: a shape-free C++ loop, so
     nothing is cached per shape (unlike oneDNN, above)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amx: AmxMatmul) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amx: AmxMatmul,
+                 out: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         with torch.no_grad():
-            self.packed_weight = amx.pack(weight.detach())
+            self.packed_weight = amx.pack(weight.detach(), out=out)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.amx = amx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.amx.linear(x, self.packed_weight, self.bias, self.out_features)
+
+
+def amx_pack_model(layers: nn.ModuleList, head_weight: torch.Tensor, amx: AmxMatmul) -> AmxLinear:
+    """Replace every `nn.Linear` in `layers` by an `AmxLinear`, packing all of them and the
+    lm_head into one huge-page arena (see `huge_page_zeros` in csrc/amx_gemm.cpp for why);
+    returns the lm_head. Each layer's plain weights are handed back to the OS as soon as that
+    layer is packed, so the resident set peaks at one copy of the weights plus one layer."""
+    sizes = [math.prod(amx.packed_shape(*m.weight.shape)) for m in layers.modules() if isinstance(m, nn.Linear)]
+    head_shape = amx.packed_shape(*head_weight.shape)
+    arena = amx.huge_page_zeros(sum(sizes) + math.prod(head_shape))
+    offset = 0
+
+    def take(shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal offset
+        n = math.prod(shape)
+        view = arena[offset : offset + n].view(shape)
+        offset += n
+        return view
+
+    for layer in layers:
+        replace_linears(layer, lambda lin: AmxLinear(lin.weight, lin.bias, amx, take(amx.packed_shape(*lin.weight.shape))))
+        amx.release_free_memory()
+    return AmxLinear(head_weight, None, amx, take(head_shape))
 
 
 class PackedEmbedding(nn.Module):

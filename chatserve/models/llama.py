@@ -18,7 +18,7 @@ from chatserve.kernels.cpu_gemv import CpuKernels
 from ..attention import paged_attention
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .cpu_linear import KERNEL_MAX_ROWS, AmxLinear, GemvLinear, PackedEmbedding, PackedLinear, pack_linears, replace_linears
+from .cpu_linear import KERNEL_MAX_ROWS, GemvLinear, PackedEmbedding, PackedLinear, amx_pack_model, pack_linears, replace_linears
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -194,12 +194,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         self._use_fused_kernels(kernels)
         amx = kernels.amx
         if amx is not None:
-            replace_linears(self.layers, lambda lin: AmxLinear(lin.weight, lin.bias, amx))
-            self.logits_head = AmxLinear(head_weight, None, amx)
+            self.logits_head = amx_pack_model(self.layers, head_weight, amx)
             if self.lm_head is None:  # tied: one packed copy serves both
                 self.embed_tokens = PackedEmbedding(self.logits_head, amx)
             self.lm_head = None
-            return "AMX tiles over packed weights; C++ RMSNorm, rotary, silu*up"
+            del head_weight
+            amx.release_free_memory()  # the plain weights' pages (nothing refers to them now)
+            return "AMX tiles over packed weights (huge-page arena); C++ RMSNorm, rotary, silu*up"
         gemv = kernels.gemv
         replace_linears(self.layers, lambda lin: GemvLinear(lin.weight, lin.bias, gemv))
         self.logits_head = GemvLinear(head_weight, None, gemv)  # shares the tensor: no copy

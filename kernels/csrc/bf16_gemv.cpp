@@ -201,7 +201,9 @@ torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 
 // kernels/csrc/amx_gemm.cpp
 bool amx_available();
-torch::Tensor amx_pack_weight(torch::Tensor w);
+torch::Tensor huge_page_zeros(int64_t numel);
+void release_free_memory();
+torch::Tensor amx_pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out);
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t N, int64_t K);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
 
@@ -219,7 +221,10 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
-  m.def("amx_pack_weight", &amx_pack_weight, "bf16 [N, K] -> AMX tile layout [NB, KB, 16, 32]");
+  m.def("amx_pack_weight", &amx_pack_weight, "bf16 [N, K] -> AMX tile layout [NB, KB, 16, 32]",
+        py::arg("w"), py::arg("out") = py::none());
+  m.def("release_free_memory", &release_free_memory, "malloc_trim: return freed heap pages to the OS");
+  m.def("huge_page_zeros", &huge_page_zeros, "zeroed bf16 memory advised for transparent huge pages");
   m.def("amx_packed_rows", &amx_packed_rows, "rows of the matrix behind an AMX-packed weight");
   m.def("amx_linear", &amx_linear, "bf16 x W^T (+ bias) over an AMX-packed weight");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");

@@ -45,8 +45,6 @@ class AmxMatmul:
     pack: Callable[..., torch.Tensor]  # bf16 [N, K] (, out=) -> packed [ceil(N/16), ceil(K/32), 16, 32]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # x [M, K], packed, bias, N
     rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, int64 ids [T], N, K -> rows [T, K]
-    huge_page_zeros: Callable[[int], torch.Tensor]  # numel -> bf16 [numel] advised for transparent huge pages
-    release_free_memory: Callable[[], None]  # glibc malloc_trim, after the plain weights are freed
 
     @staticmethod
     def packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
@@ -64,6 +62,8 @@ class CpuKernels:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
     rope_inplace: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]  # x [T, W], cos, sin, heads, head_dim
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, residual (+= x), w, eps
+    huge_page_zeros: Callable[[int], torch.Tensor]  # numel -> zeroed bf16 [numel] advised for transparent huge pages
+    release_free_memory: Callable[[], None]  # glibc malloc_trim: freed heap pages back to the OS
     amx: AmxMatmul | None = None  # where the CPU has AMX tiles (and the OS lets us use them)
 
 
@@ -99,7 +99,8 @@ def load_cpu_kernels() -> CpuKernels | None:
         _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16, ext.add_rms_norm_bf16)
         return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_decode=ext.paged_decode_attention_bf16,
                           store_kv=ext.store_kv_bf16, silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
-                          add_rms_norm=ext.add_rms_norm_bf16, amx=_load_amx(ext))
+                          add_rms_norm=ext.add_rms_norm_bf16, huge_page_zeros=ext.huge_page_zeros,
+                          release_free_memory=ext.release_free_memory, amx=_load_amx(ext))
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
         return None
@@ -109,8 +110,7 @@ def _load_amx(ext) -> AmxMatmul | None:
     """The AMX matmul, proven on this machine, or None (no AMX, the OS refuses tiles, or wrong results)."""
     if os.environ.get("CHATSERVE_DISABLE_AMX") == "1" or not ext.amx_available():
         return None
-    amx = AmxMatmul(pack=ext.amx_pack_weight, linear=ext.amx_linear, rows=ext.amx_packed_rows,
-                    huge_page_zeros=ext.huge_page_zeros, release_free_memory=ext.release_free_memory)
+    amx = AmxMatmul(pack=ext.amx_pack_weight, linear=ext.amx_linear, rows=ext.amx_packed_rows)
     gen = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 48, 64), (17, 40, 80), (35, 96, 64)):  # every chunk and column-block tail
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16)

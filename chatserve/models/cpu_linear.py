@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, AmxMatmul
+from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, AmxMatmul, CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +110,10 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class GemvLinear(nn.Module):
     """Drop-in for `nn.Linear` on 2-D inputs over plain weights: see `kernel_linear`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv,
+                 out: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight = weight.detach().contiguous()
+        self.weight = weight.detach().contiguous() if out is None else out.copy_(weight.detach())
         self.bias = None if bias is None else bias.detach().contiguous()
         self.gemv = gemv
 
@@ -140,14 +141,19 @@ class AmxLinear(nn.Module):
         return self.amx.linear(x, self.packed_weight, self.bias, self.out_features)
 
 
-def amx_pack_model(layers: nn.ModuleList, head_weight: torch.Tensor, amx: AmxMatmul) -> AmxLinear:
-    """Replace every `nn.Linear` in `layers` by an `AmxLinear`, packing all of them and the
-    lm_head into one huge-page arena (see `huge_page_zeros` in csrc/amx_gemm.cpp for why);
-    returns the lm_head. Each layer's plain weights are handed back to the OS as soon as that
-    layer is packed, so the resident set peaks at one copy of the weights plus one layer."""
-    sizes = [math.prod(amx.packed_shape(*m.weight.shape)) for m in layers.modules() if isinstance(m, nn.Linear)]
-    head_shape = amx.packed_shape(*head_weight.shape)
-    arena = amx.huge_page_zeros(sum(sizes) + math.prod(head_shape))
+MakeLinear = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], nn.Module]  # weight, bias, arena view
+
+
+def move_weights_to_arena(layers: nn.ModuleList, head_weight: torch.Tensor, kernels: CpuKernels,
+                          shape_of: Callable[[int, int], tuple[int, ...]], make: MakeLinear) -> nn.Module:
+    """Replace every `nn.Linear` in `layers` by `make(weight, bias, view)`, which stores the weight
+    (as `shape_of(N, K)`, packed or plain) in `view`: one arena for all of them and the lm_head,
+    2 MiB aligned and advised for transparent huge pages (see `huge_page_zeros` in
+    csrc/amx_gemm.cpp for why). Returns the lm_head module. Each layer's plain weights go back to
+    the OS once the layer is done, so the resident set peaks at one copy of the weights plus a layer."""
+    sizes = [math.prod(shape_of(*m.weight.shape)) for m in layers.modules() if isinstance(m, nn.Linear)]
+    head_shape = shape_of(*head_weight.shape)
+    arena = kernels.huge_page_zeros(sum(sizes) + math.prod(head_shape))
     offset = 0
 
     def take(shape: tuple[int, ...]) -> torch.Tensor:
@@ -158,9 +164,9 @@ def amx_pack_model(layers: nn.ModuleList, head_weight: torch.Tensor, amx: AmxMat
         return view
 
     for layer in layers:
-        replace_linears(layer, lambda lin: AmxLinear(lin.weight, lin.bias, amx, take(amx.packed_shape(*lin.weight.shape))))
-        amx.release_free_memory()
-    return AmxLinear(head_weight, None, amx, take(head_shape))
+        replace_linears(layer, lambda lin: make(lin.weight, lin.bias, take(shape_of(*lin.weight.shape))))
+        kernels.release_free_memory()
+    return make(head_weight, None, take(head_shape))
 
 
 class PackedEmbedding(nn.Module):

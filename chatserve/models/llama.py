@@ -18,7 +18,7 @@ from chatserve.kernels.cpu_gemv import CpuKernels
 from ..attention import paged_attention
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .cpu_linear import KERNEL_MAX_ROWS, GemvLinear, PackedEmbedding, PackedLinear, amx_pack_model, pack_linears, replace_linears
+from .cpu_linear import KERNEL_MAX_ROWS, AmxLinear, GemvLinear, PackedEmbedding, PackedLinear, move_weights_to_arena, pack_linears
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -145,6 +145,17 @@ _STACKED = {
 }
 
 
+class _EmbeddingView(nn.Module):
+    """Token embedding over a tensor another module owns (a tied lm_head's weight)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -183,7 +194,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         layout (a tied embedding then reads its rows from the lm_head's packed copy); without
         AMX but with the AVX512-BF16 kernels, plain weights (our kernel up to KERNEL_MAX_ROWS
         rows, oneDNN in power-of-two pieces above); with neither, oneDNN-packed weights. With
-        the kernels, RMSNorm, rotary and silu*up run in C++.
+        the kernels, all the weights live in one huge-page arena, and RMSNorm, rotary and silu*up
+        run in C++.
         """
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if kernels is None:
@@ -192,20 +204,24 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.lm_head = None  # the packed copy replaces it (a tied one stays as the embedding)
             return "oneDNN prepacked"
         self._use_fused_kernels(kernels)
-        amx = kernels.amx
+        amx, gemv = kernels.amx, kernels.gemv
         if amx is not None:
-            self.logits_head = amx_pack_model(self.layers, head_weight, amx)
-            if self.lm_head is None:  # tied: one packed copy serves both
-                self.embed_tokens = PackedEmbedding(self.logits_head, amx)
-            self.lm_head = None
-            del head_weight
-            amx.release_free_memory()  # the plain weights' pages (nothing refers to them now)
-            return "AMX tiles over packed weights (huge-page arena); C++ RMSNorm, rotary, silu*up"
-        gemv = kernels.gemv
-        replace_linears(self.layers, lambda lin: GemvLinear(lin.weight, lin.bias, gemv))
-        self.logits_head = GemvLinear(head_weight, None, gemv)  # shares the tensor: no copy
+            self.logits_head = move_weights_to_arena(
+                self.layers, head_weight, kernels, amx.packed_shape,
+                lambda w, b, view: AmxLinear(w, b, amx, out=view))
+            impl = "AMX tiles over packed weights"
+        else:
+            self.logits_head = move_weights_to_arena(
+                self.layers, head_weight, kernels, lambda n, k: (n, k),
+                lambda w, b, view: GemvLinear(w, b, gemv, out=view))
+            impl = f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN"
+        if self.lm_head is None:  # tied: the lm_head's copy serves the embedding too
+            self.embed_tokens = (PackedEmbedding(self.logits_head, amx) if amx is not None
+                                 else _EmbeddingView(self.logits_head.weight))
         self.lm_head = None
-        return f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN; C++ RMSNorm, rotary, silu*up"
+        del head_weight
+        kernels.release_free_memory()  # the last plain weights (nothing refers to them now)
+        return f"{impl} (one huge-page arena); C++ RMSNorm, rotary, silu*up"
 
     def _use_fused_kernels(self, kernels: CpuKernels) -> None:
         for module in self.modules():

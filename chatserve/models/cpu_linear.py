@@ -1,19 +1,26 @@
 """Faster bf16 linear layers on the CPU, with a bounded set of oneDNN matmul shapes.
 
-Measured on the 2-core AVX-512 dev box over a 30-layer SmolLM2-sized weight set plus its
-lm_head (cold caches), ms per forward of M rows, oneDNN (`F.linear`) vs our AVX512-BF16 kernel
-(chatserve.kernels.cpu_gemv): M=8 23.4 vs 11.7, M=16 29.2 vs 16.3, M=32 38.2 vs 28.4, M=64 62.0
-vs 48.5, M=128 99.8 vs 89.0, M=256 181 vs 173, M=1000 689 vs 726 (BENCHMARKS.md). So rows up to
-KERNEL_MAX_ROWS go to our kernel, and bigger inputs (prefill) to oneDNN.
+Three ways, picked by `LlamaFamilyForCausalLM.optimize_for_cpu` from what the CPU offers:
+
+- **AMX tiles** (`AmxLinear`, Intel Sapphire Rapids and later): each weight packed once into the
+  tile layout; one shape-free kernel for every row count. Over a 30-layer SmolLM2-sized weight set
+  plus its lm_head (cold caches, Intel Xeon dev host), ms per forward of M rows, AMX vs our
+  AVX512-BF16 kernel vs oneDNN (`F.linear`): M=1 13.6 / 12.2 / 27.0, M=8 13.8 / 17.8 / 27.2,
+  M=32 14.8 / 53.7 / 29.9, M=128 33.1 / 190 / 49.0, M=1000 218 / - / 216 (BENCHMARKS.md).
+- **Our AVX512-BF16 kernel** (`GemvLinear`, e.g. AMD Zen 4) over plain weights up to
+  KERNEL_MAX_ROWS rows, oneDNN above. Measured on the AMD EPYC dev host of earlier sessions:
+  M=8 23.4 vs 11.7 (oneDNN vs ours), M=32 38.2 vs 28.4, M=128 99.8 vs 89.0, M=1000 689 vs 726.
+- **oneDNN-prepacked weights** (`PackedLinear`) when the kernels cannot be built.
+
+With the kernels, all the weights sit in one arena advised for transparent huge pages
+(`move_weights_to_arena`): streaming them took a TLB miss every 4 KiB.
 
 Why the pieces: oneDNN builds (and caches, up to 1,024 entries) one primitive per distinct matmul
 shape, a few hundred KiB each, and glibc then fragments around them. Under a serving workload
 every step has a different row count, so a server's RSS grew by hundreds of MiB over minutes.
 Rows above KERNEL_MAX_ROWS are therefore cut into power-of-two pieces (>= ONEDNN_MIN_ROWS) plus a
-remainder for our kernel: at most ~6 shapes per weight, whatever the traffic.
-
-If the kernel cannot be built, oneDNN-prepacked weights are used for every size, cut into
-power-of-two pieces for the same reason.
+remainder for our kernel: at most ~6 shapes per weight, whatever the traffic. The AMX kernel has
+no per-shape state at all.
 """
 
 from __future__ import annotations

@@ -179,13 +179,13 @@ def move_weights_to_arena(layers: nn.ModuleList, head_weight: torch.Tensor, kern
 class PackedEmbedding(nn.Module):
     """Token embedding that reads its rows from a tied lm_head's AMX-packed weight."""
 
-    def __init__(self, head: AmxLinear, amx: AmxMatmul) -> None:
+    def __init__(self, head: AmxLinear) -> None:
         super().__init__()
         self.head = head
-        self.amx = amx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.amx.rows(self.head.packed_weight, ids, self.head.out_features, self.head.in_features)
+        head = self.head
+        return head.amx.rows(head.packed_weight, ids, head.out_features, head.in_features)
 
 
 def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:

@@ -145,17 +145,6 @@ _STACKED = {
 }
 
 
-class _EmbeddingView(nn.Module):
-    """Token embedding over a tensor another module owns (a tied lm_head's weight)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -216,8 +205,10 @@ class LlamaFamilyForCausalLM(nn.Module):
                 lambda w, b, view: GemvLinear(w, b, gemv, out=view))
             impl = f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN"
         if self.lm_head is None:  # tied: the lm_head's copy serves the embedding too
-            self.embed_tokens = (PackedEmbedding(self.logits_head, amx) if amx is not None
-                                 else _EmbeddingView(self.logits_head.weight))
+            if amx is not None:
+                self.embed_tokens = PackedEmbedding(self.logits_head)
+            else:
+                self.embed_tokens.weight = nn.Parameter(self.logits_head.weight, requires_grad=False)
         self.lm_head = None
         del head_weight
         kernels.release_free_memory()  # the last plain weights (nothing refers to them now)

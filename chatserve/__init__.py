@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .async_engine import AsyncLLMEngine
-from .engine import EngineArgs, LLMEngine
-from .llm import LLM
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from chatserve.engine.async_engine import AsyncLLMEngine
+from chatserve.engine.llm_engine import EngineArgs, LLMEngine
+from chatserve.llm import LLM
+from chatserve.outputs import CompletionOutput, Logprob, RequestOutput
+from chatserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

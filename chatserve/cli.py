@@ -90,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .async_engine import AsyncLLMEngine
-    from .engine import EngineArgs
-    from .server import ServerSettings, create_app
-    from .sessions import make_session_store
+    from chatserve.engine.async_engine import AsyncLLMEngine
+    from chatserve.engine.llm_engine import EngineArgs
+    from chatserve.server import ServerSettings, create_app
+    from chatserve.sessions import make_session_store
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -122,3 +122,45 @@ class SchedulerConfig:
     # so a long prompt never stalls running streams (on the 2-core dev box a 96-token chunk
     # costs about one decode step); prompts shorter than this are unaffected.
     max_prefill_tokens_while_decoding: int = 96
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every option of `LLM` and the server's engine, in one place."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_tokens_while_decoding: int = 96
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    num_threads: int | None = None
+    # Kernel switches (what used to be environment variables): the compiled C++ CPU kernels where
+    # the CPU has AVX512-BF16, and within them Intel AMX tiles where the CPU has those.
+    cpu_kernels: bool = True
+    amx: bool = True
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

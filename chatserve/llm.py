@@ -6,9 +6,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from .engine import EngineArgs, LLMEngine, PromptType
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
+from chatserve.outputs import RequestOutput
+from chatserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
 

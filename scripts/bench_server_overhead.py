@@ -67,7 +67,7 @@ async def run_engine(engine, texts: list[str], max_tokens: int) -> tuple[int, fl
 
 def engine_alone(args, threads: int | None) -> dict:
     from chatserve import EngineArgs
-    from chatserve.async_engine import AsyncLLMEngine
+    from chatserve.engine.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(num_threads=threads, max_model_len=2048,
                                                         enable_prefix_caching=False))

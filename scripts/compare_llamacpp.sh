@@ -77,7 +77,7 @@ if ! "$LVENV/bin/python" -c 'import llama_cpp.server.app, uvicorn' >/dev/null 2>
 fi
 LLAMACPP_VERSION=$("$LVENV/bin/python" -c 'import llama_cpp; print(llama_cpp.__version__)')
 
-GGUF=$("$PY" -c 'from chatserve.model_loader import default_model_path; print(default_model_path())')
+GGUF=$("$PY" -c 'from chatserve.models.loader import default_model_path; print(default_model_path())')
 [ -f "$GGUF" ] || { log "default model not found: $GGUF"; exit 2; }
 mkdir -p "$OUT_DIR"
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    from chatserve.model_loader import default_model_path
+    from chatserve.models.loader import default_model_path
 
     return Path(default_model_path())
 

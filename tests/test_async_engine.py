@@ -14,7 +14,7 @@ import time
 import pytest
 
 from chatserve import AsyncLLMEngine, EngineArgs, SamplingParams
-from chatserve.async_engine import EngineDeadError
+from chatserve.engine.async_engine import EngineDeadError
 
 TIMEOUT_S = 60
 
@@ -34,7 +34,7 @@ def tiny(tmp_path_factory):
     Built here rather than with conftest's `tiny_checkpoint`, whose tokenizer fixture also loads the
     full default model into transformers (~25 s more on a small CPU box).
     """
-    from chatserve.model_loader import load_tokenizer, resolve_model
+    from chatserve.models.loader import load_tokenizer, resolve_model
     from tests.conftest import write_tiny_checkpoint
 
     tokenizer = load_tokenizer(resolve_model(None))

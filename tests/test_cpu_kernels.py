@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from chatserve import LLM, SamplingParams
 from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, load_cpu_kernels
 from chatserve.kernels.reference import paged_decode_attention
-from chatserve.models.cpu_linear import PackedLinear, kernel_linear, power_of_two_pieces
+from chatserve.layers.linear import PackedLinear, kernel_linear, power_of_two_pieces
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_add_rms_norm_updates_residual_and_matches_torch(kernels):
 
 
 def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
-    from chatserve.models.rope import apply_rotary
+    from chatserve.layers.rotary import apply_rotary
 
     torch.manual_seed(6)
     t, heads, kv_heads, d = 70, 9, 3, 64

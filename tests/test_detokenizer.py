@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 import pytest
 
-from chatserve.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from chatserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

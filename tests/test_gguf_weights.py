@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from chatserve.gguf_weights import iter_gguf_weights, read_gguf_header
+from chatserve.models.gguf import iter_gguf_weights, read_gguf_header
 
 gguf = pytest.importorskip("gguf")
 

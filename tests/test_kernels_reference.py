@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from chatserve.forward_batch import build_forward_batch
+from chatserve.worker.forward_batch import build_forward_batch
 from chatserve.kernels import (
     cascade_decode_attention,
     cascade_extend_attention,

@@ -6,7 +6,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from chatserve.sampler import (
+from chatserve.worker.sampler import (
     Sampler,
     SamplingTensors,
     apply_penalties,

@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatserve.sampler import Sampler, make_generator
+from chatserve.worker.sampler import Sampler, make_generator
 from chatserve.server.errors import APIError
 from chatserve.server.http_utils import parse_model
 from chatserve.server.openai_routes import build_sampling_params

@@ -15,7 +15,7 @@ if "chatserve.kernels.triton_attention" not in sys.modules:
 pytest.importorskip("triton")
 
 from chatserve import LLM, SamplingParams  # noqa: E402
-from chatserve.attention import resolve_attention_backend  # noqa: E402
+from chatserve.attention.dispatch import resolve_attention_backend  # noqa: E402
 from chatserve.kernels import triton_attention as tk  # noqa: E402
 
 if not tk.is_interpreted():

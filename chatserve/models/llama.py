@@ -15,11 +15,11 @@ from torch import nn
 
 from chatserve.kernels.cpu_gemv import CpuKernels
 
-from ..attention import paged_attention
-from ..config import ModelConfig
-from ..forward_batch import ForwardBatch
-from .cpu_linear import KERNEL_MAX_ROWS, AmxLinear, GemvLinear, PackedEmbedding, PackedLinear, move_weights_to_arena, pack_linears
-from .rope import RotaryEmbedding, apply_rotary
+from chatserve.attention.dispatch import paged_attention
+from chatserve.config import ModelConfig
+from chatserve.worker.forward_batch import ForwardBatch
+from chatserve.layers.linear import KERNEL_MAX_ROWS, AmxLinear, GemvLinear, PackedEmbedding, PackedLinear, move_weights_to_arena, pack_linears
+from chatserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 FAST_NORM_MAX_ROWS = 64  # the C++ norms run rows serially; torch's parallel op wins on big batches

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (Starlette + SSE) over an `AsyncLLMEngine`."""
 
-from .app import create_app
-from .settings import ServerSettings
+from chatserve.server.app import create_app
+from chatserve.server.settings import ServerSettings
 
 __all__ = ["ServerSettings", "create_app"]

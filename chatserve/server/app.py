@@ -18,14 +18,14 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from chatserve.async_engine import AsyncLLMEngine
+from chatserve.engine.async_engine import AsyncLLMEngine
 
-from .errors import APIError, error_body
-from .metrics import ServerMetrics
-from .openai_routes import cancel_request, chat_completions, completions, get_ctx, list_models
-from .serving import ServerContext
-from .settings import ServerSettings
-from .tracker import RequestTracker
+from chatserve.server.errors import APIError, error_body
+from chatserve.server.metrics import ServerMetrics
+from chatserve.server.openai_routes import cancel_request, chat_completions, completions, get_ctx, list_models
+from chatserve.server.serving import ServerContext
+from chatserve.server.settings import ServerSettings
+from chatserve.server.tracker import RequestTracker
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def create_app(engine: AsyncLLMEngine, sessions: Any = None, settings: ServerSet
         Route("/debug/cache", debug_cache, methods=["GET"]),
     ]
     if sessions is not None:
-        from .session_routes import session_routes
+        from chatserve.server.session_routes import session_routes
 
         routes.extend(session_routes())
     if settings.serve_web:

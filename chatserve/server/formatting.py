@@ -7,7 +7,7 @@ from typing import Any
 
 from chatserve.outputs import Logprob
 
-from .serving import ChoiceDelta
+from chatserve.server.serving import ChoiceDelta
 
 
 def dumps(obj: Any) -> str:

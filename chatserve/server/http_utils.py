@@ -8,8 +8,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from .errors import APIError, bad_request
-from .settings import ServerSettings
+from chatserve.server.errors import APIError, bad_request
+from chatserve.server.settings import ServerSettings
 
 M = TypeVar("M", bound=BaseModel)
 

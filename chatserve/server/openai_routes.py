@@ -11,15 +11,15 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from chatserve.async_engine import EngineDeadError
+from chatserve.engine.async_engine import EngineDeadError
 from chatserve.llm import apply_chat_template
 from chatserve.sampling_params import SamplingParams
 
-from .errors import APIError, bad_request, error_body
-from .formatting import chat_chunk, chat_logprobs, completion_chunk, completion_logprobs, dumps
-from .http_utils import read_model, request_id_from
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
-from .serving import ChoiceDelta, Generation, ServerContext, run_or_disconnect
+from chatserve.server.errors import APIError, bad_request, error_body
+from chatserve.server.formatting import chat_chunk, chat_logprobs, completion_chunk, completion_logprobs, dumps
+from chatserve.server.http_utils import read_model, request_id_from
+from chatserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+from chatserve.server.serving import ChoiceDelta, Generation, ServerContext, run_or_disconnect
 
 
 def get_ctx(request: Request) -> ServerContext:

@@ -16,14 +16,14 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatserve.async_engine import AsyncLLMEngine, RequestMetrics
+from chatserve.engine.async_engine import AsyncLLMEngine, RequestMetrics
 from chatserve.outputs import CompletionOutput, RequestOutput
 from chatserve.sampling_params import SamplingParams
 
-from .errors import APIError, bad_request
-from .metrics import ServerMetrics
-from .settings import ServerSettings
-from .tracker import RequestTracker, TrackedRequest
+from chatserve.server.errors import APIError, bad_request
+from chatserve.server.metrics import ServerMetrics
+from chatserve.server.settings import ServerSettings
+from chatserve.server.tracker import RequestTracker, TrackedRequest
 
 logger = logging.getLogger(__name__)
 

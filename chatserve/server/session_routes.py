@@ -28,9 +28,9 @@ from chatserve.sessions import (
     SessionValidationError,
 )
 
-from .errors import APIError, bad_request
-from .http_utils import read_model, request_id_from
-from .openai_routes import (
+from chatserve.server.errors import APIError, bad_request
+from chatserve.server.http_utils import read_model, request_id_from
+from chatserve.server.openai_routes import (
     Accumulator,
     build_sampling_params,
     chat_events,
@@ -43,9 +43,9 @@ from .openai_routes import (
     run_non_streaming,
     sse_response,
 )
-from .protocol import TopK, _SamplingFields, _Strict
-from .serving import Generation, ServerContext
-from .session_templates import first_turn_ids, next_turn_ids
+from chatserve.server.protocol import TopK, _SamplingFields, _Strict
+from chatserve.server.serving import Generation, ServerContext
+from chatserve.server.session_templates import first_turn_ids, next_turn_ids
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ async def post_message(request: Request) -> Any:
 
 async def _store_failure_as_event(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     """A turn that cannot be stored at its end becomes an error event instead of [DONE]."""
-    from .formatting import dumps
+    from chatserve.server.formatting import dumps
 
     last_id = 0
     try:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatserve.async_engine import RequestMetrics
+from chatserve.engine.async_engine import RequestMetrics
 
 
 @dataclass(eq=False)

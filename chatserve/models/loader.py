@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
+from chatserve.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,6 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, t
 
 def _iter_gguf(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream de-quantised tensors straight from the mmap'd file (same names and values as transformers)."""
-    from .gguf_weights import iter_gguf_weights
+    from chatserve.models.gguf import iter_gguf_weights
 
     yield from iter_gguf_weights(os.path.join(source.folder, source.gguf_file), hf_config, dtype)

@@ -15,59 +15,21 @@ from typing import Any, Literal
 
 import torch
 
-from .attention import resolve_attention_backend
-from .block_manager import BlockManager
-from .config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from .detokenizer import IncrementalDetokenizer
-from .model_loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
-from .model_runner import ModelRunner
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampler import make_generator
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from chatserve.attention.dispatch import resolve_attention_backend
+from chatserve.core.block_manager import BlockManager
+from chatserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, resolve_dtype
+from chatserve.engine.detokenizer import IncrementalDetokenizer
+from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from chatserve.worker.model_runner import ModelRunner
+from chatserve.outputs import CompletionOutput, Logprob, RequestOutput
+from chatserve.worker.sampler import make_generator
+from chatserve.sampling_params import SamplingParams
+from chatserve.core.scheduler import Scheduler
+from chatserve.core.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    """Every option of `LLM` and the server's engine, in one place."""
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_tokens_while_decoding: int = 96
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    num_threads: int | None = None
-    served_model_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_prefill_tokens_while_decoding < 1:
-            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
 
 
 @dataclass

@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .engine import EngineArgs, LLMEngine, PromptType
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
+from chatserve.outputs import CompletionOutput, RequestOutput
+from chatserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

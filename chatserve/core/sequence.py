@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .outputs import FinishReason, SampleLogprobs
-from .sampling_params import SamplingParams
+from chatserve.outputs import FinishReason, SampleLogprobs
+from chatserve.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

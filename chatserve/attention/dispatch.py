@@ -26,7 +26,7 @@ from chatserve.kernels import (
     store_kv_cache,
 )
 
-from .forward_batch import ForwardBatch
+from chatserve.worker.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

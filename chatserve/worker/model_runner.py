@@ -9,16 +9,16 @@ from typing import Sequence
 
 import torch
 
-from .config import CacheConfig, ModelConfig
-from .forward_batch import build_forward_batch
-from .model_loader import ModelSource, iter_weights
-from .models import model_class_for
-from .models.rope import RotaryEmbedding
+from chatserve.config import CacheConfig, ModelConfig
+from chatserve.worker.forward_batch import build_forward_batch
+from chatserve.models.loader import ModelSource, iter_weights
+from chatserve.models.registry import model_class_for
+from chatserve.layers.rotary import RotaryEmbedding
 from chatserve.kernels.cpu_gemv import load_cpu_kernels
 
-from .models.cpu_linear import packed_linear_available
-from .sampler import Sampler, SampleResult
-from .scheduler import ScheduledSeq
+from chatserve.layers.linear import packed_linear_available
+from chatserve.worker.sampler import Sampler, SampleResult
+from chatserve.core.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from chatserve.cache import BlockAllocator, MatchResult, PrefixCache, make_prefix_cache
 
-from .sequence import Sequence
+from chatserve.core.sequence import Sequence
 
 
 class BlockCopy(NamedTuple):

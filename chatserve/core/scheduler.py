@@ -16,9 +16,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .config import SchedulerConfig
-from .sequence import Sequence, SequenceStatus
+from chatserve.core.block_manager import BlockManager
+from chatserve.config import SchedulerConfig
+from chatserve.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from chatserve import LLM, SamplingParams
 from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, load_cpu_kernels
 from chatserve.kernels.reference import paged_decode_attention
-from chatserve.layers.linear import PackedLinear, kernel_linear, power_of_two_pieces
+from chatserve.layers.linear import kernel_linear, onednn_linear, onednn_pack, power_of_two_pieces
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +148,11 @@ def test_packed_linear_in_pieces_matches_float_matmul():
     torch.manual_seed(3)
     w = (torch.randn(64, 48) * 0.1).to(torch.bfloat16)
     b = torch.randn(64).to(torch.bfloat16)
-    lin = PackedLinear(w, b)
+    packed = onednn_pack(w)
     for m in (1, 7, 8, 37, 100):
         x = torch.randn(m, 48).to(torch.bfloat16)
         ref = F.linear(x.float(), w.float(), b.float())
-        torch.testing.assert_close(lin(x).float(), ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
+        torch.testing.assert_close(onednn_linear(x, packed, b).float(), ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
@@ -223,7 +223,7 @@ def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
 
 
 @pytest.mark.parametrize("matmul", ["amx", "avx512"])
-def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch, matmul):
+def test_default_model_kernel_path_agrees_with_torch_path(kernels, matmul):
     """The bf16 model with every C++ kernel (matmul at all batch sizes, on AMX tiles and on the
     AVX512-BF16 kernel, paged decode attention, rotary, silu*up, residual add + RMSNorm) against
     the same model on torch/oneDNN ops: while the
@@ -236,15 +236,13 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch, 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     if matmul == "amx" and kernels.amx is None:
         pytest.skip("no AMX tiles here")
-    monkeypatch.setenv("CHATSERVE_DISABLE_AMX", "1" if matmul == "avx512" else "0")
-    fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False)
-    assert fast.engine.runner.decode_kernel is not None
+    fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False, amx=matmul == "amx")
+    assert fast.engine.attention_backend == "cpu" and "paged decode" in fast.engine.runner.ops.describe()
     assert ("AMX" in fast.engine.runner.linear_impl) == (matmul == "amx")
     fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
     del fast
-    monkeypatch.setenv("CHATSERVE_DISABLE_GEMV", "1")
-    slow = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False)
-    assert slow.engine.runner.decode_kernel is None
+    slow = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False, cpu_kernels=False)
+    assert slow.engine.attention_backend == "torch" and slow.engine.runner.ops.cpu is None
     slow_out = [o.outputs[0] for o in slow.generate(prompts, params)]
     diffs = []
     for a, b in zip(fast_out, slow_out):
@@ -259,7 +257,7 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, monkeypatch, 
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3-rope"])  # QKV bias + tied; q/k norm; untied lm_head
-def test_tiny_models_bf16_kernel_path_agrees_with_torch_path(kernels, tiny_checkpoint, monkeypatch, arch):
+def test_tiny_models_bf16_kernel_path_agrees_with_torch_path(kernels, tiny_checkpoint, arch):
     """Shapes the default model does not have (hidden 64, head_dim 16/32, biases, an untied
     lm_head, a tied one read back as the embedding): the first step's log-probabilities of a
     ragged batch, bf16 with the kernels against bf16 on torch ops."""
@@ -268,8 +266,7 @@ def test_tiny_models_bf16_kernel_path_agrees_with_torch_path(kernels, tiny_check
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     fast = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False)
     fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
-    monkeypatch.setenv("CHATSERVE_DISABLE_GEMV", "1")
-    slow = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False)
+    slow = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False, cpu_kernels=False)
     assert slow.engine.runner.linear_impl != fast.engine.runner.linear_impl
     slow_out = [o.outputs[0] for o in slow.generate(prompts, params)]
     for a, b in zip(fast_out, slow_out):

@@ -118,7 +118,7 @@ def final_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         batch = build_forward_batch(
             decode_tokens=[], decode_positions=[], decode_block_tables=[],
             extend_tokens=[ids], extend_start_positions=[0], extend_block_tables=[blocks],
-            extend_need_logits=[True], block_size=bm.block_size, device=runner.device,
+            extend_need_logits=[True], block_size=bm.block_size, device=runner.device, backend=runner.attention_backend,
         )
         return runner.model(batch, runner.kv_cache)[0]
     finally:

@@ -119,8 +119,8 @@ def test_cascade_decode_equals_plain(dtype):
         extend_tokens=[], extend_start_positions=[], extend_block_tables=[], extend_need_logits=[],
         block_size=bs, device=torch.device("cpu"),
     )
-    assert len(batch.decode_groups) == 1
-    g = batch.decode_groups[0]
+    assert len(batch.attn.decode_groups) == 1
+    g = batch.attn.decode_groups[0]
     assert g.prefix_slots.numel() == 160
     out = cascade_decode_attention(q[g.rows], k_cache, v_cache, g.prefix_slots, g.suffix_slots, g.suffix_mask, d**-0.5)
     torch.testing.assert_close(out.float(), plain[g.rows].float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -140,8 +140,8 @@ def test_cascade_extend_equals_plain(dtype):
         extend_tokens=tokens, extend_start_positions=[p for p, _ in specs], extend_block_tables=tables,
         extend_need_logits=[True] * 3, block_size=bs, device=torch.device("cpu"),
     )
-    assert len(batch.extend_groups) == 1
-    g = batch.extend_groups[0]
+    assert len(batch.attn.extend_groups) == 1
+    g = batch.attn.extend_groups[0]
     q = torch.randn(sum(n for _, n in specs), h, d).to(dtype)
     qsl = [0, 20, 27, 67]
     plain = paged_extend_attention(q, k_cache, v_cache, torch.tensor(tables), torch.tensor(qsl), torch.tensor([p + n for p, n in specs]), d**-0.5)

@@ -15,7 +15,7 @@ if "chatserve.kernels.triton_attention" not in sys.modules:
 pytest.importorskip("triton")
 
 from chatserve import LLM, SamplingParams  # noqa: E402
-from chatserve.attention.dispatch import resolve_attention_backend  # noqa: E402
+from chatserve.attention import select_attention_backend  # noqa: E402
 from chatserve.kernels import triton_attention as tk  # noqa: E402
 
 if not tk.is_interpreted():
@@ -51,7 +51,7 @@ def run_both(engines, prompts, params=GREEDY):
 def test_cold_prompt_and_prefix_cache_hit_give_the_same_tokens(engines):
     rng = random.Random(11)
     for llm in engines:
-        llm.engine.block_manager.cache.reset()
+        assert llm.engine.reset_prefix_cache()
     bs = engines[0].engine.block_manager.block_size
     first = {"prompt_token_ids": random_ids(rng, 3 * bs + 5)}
     (torch_tokens, torch_cached), (triton_tokens, triton_cached) = run_both(engines, [first])
@@ -77,13 +77,12 @@ def test_ragged_batch_gives_the_same_tokens(engines):
     assert triton_tokens == torch_tokens
 
 
-def test_backend_resolution(monkeypatch):
+def test_backend_selection():
+    """One selector, from the EngineArgs string: on the CPU "auto" and "torch" are the torch path
+    (the C++ kernels join it when loaded), "triton" the interpreted kernels; anything else is refused."""
     cpu = torch.device("cpu")
-    assert resolve_attention_backend("auto", cpu) == "torch"
-    assert resolve_attention_backend("torch", cpu) == "torch"
-    assert resolve_attention_backend("triton", cpu) == "triton"  # TRITON_INTERPRET=1 is set here
-    monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        resolve_attention_backend("triton", cpu)
+    assert select_attention_backend("auto", cpu).name == "torch"
+    assert select_attention_backend("torch", cpu).name == "torch"
+    assert select_attention_backend("triton", cpu).name == "triton"
     with pytest.raises(ValueError, match="auto, torch or triton"):
-        resolve_attention_backend("cuda", cpu)
+        select_attention_backend("cuda", cpu)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from chatserve.outputs import FinishReason, SampleLogprobs
+from chatserve.outputs import FinishReason, RequestStats, SampleLogprobs
 from chatserve.sampling_params import SamplingParams
 
 
@@ -39,19 +36,17 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
     cache_node: Any = None  # lock handle in the prefix cache
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
+    generator: Any = None  # a torch.Generator for seeded sampling (core stays torch-free)
     detokenizer: Any = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
-    num_preemptions: int = 0
-    first_token_time: float | None = None
-    first_scheduled_time: float | None = None  # when the scheduler first admitted it (queue time ends)
-    arrival_time: float = field(default_factory=time.monotonic)
+    # NOTE: one record per request, shared by its n sequences (the scheduler writes admission,
+    # prefix hit and preemptions into it; the engine the tokens and finish).
+    stats: RequestStats = field(default_factory=RequestStats)
     # what has been reported to the user already (for delta outputs)
     sent_text_len: int = 0
     sent_token_len: int = 0
@@ -60,6 +55,17 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def first_token_time(self) -> float | None:
+        """The request's first sampled token (any of its sequences): kept as a name because
+        `LLMEngine.step` sets it; the value lives in `stats`."""
+        return self.stats.first_token_time
+
+    @first_token_time.setter
+    def first_token_time(self, value: float | None) -> None:
+        if self.stats.first_token_time is None:
+            self.stats.first_token_time = value
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,7 +90,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_uncomputed_tokens > 1

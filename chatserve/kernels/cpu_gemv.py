@@ -12,7 +12,6 @@ and callers use torch ops.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +66,12 @@ class CpuKernels:
     amx: AmxMatmul | None = None  # where the CPU has AMX tiles (and the OS lets us use them)
 
 
-def load_cpu_kernels() -> CpuKernels | None:
-    """The compiled kernels, verified on this machine, or None (callers then use torch ops)."""
-    if os.environ.get("CHATSERVE_DISABLE_GEMV") == "1" or not cpu_has_avx512_bf16():
+def load_cpu_kernels(amx: bool = True) -> CpuKernels | None:
+    """The compiled kernels, verified on this machine, or None (callers then use torch ops).
+
+    amx=False leaves the AMX matmul out even where the CPU has tiles (the AVX512-BF16 path).
+    """
+    if not cpu_has_avx512_bf16():
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -100,7 +102,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_decode=ext.paged_decode_attention_bf16,
                           store_kv=ext.store_kv_bf16, silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
                           add_rms_norm=ext.add_rms_norm_bf16, huge_page_zeros=ext.huge_page_zeros,
-                          release_free_memory=ext.release_free_memory, amx=_load_amx(ext))
+                          release_free_memory=ext.release_free_memory, amx=_load_amx(ext) if amx else None)
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
         return None
@@ -108,7 +110,7 @@ def load_cpu_kernels() -> CpuKernels | None:
 
 def _load_amx(ext) -> AmxMatmul | None:
     """The AMX matmul, proven on this machine, or None (no AMX, the OS refuses tiles, or wrong results)."""
-    if os.environ.get("CHATSERVE_DISABLE_AMX") == "1" or not ext.amx_available():
+    if not ext.amx_available():
         return None
     amx = AmxMatmul(pack=ext.amx_pack_weight, linear=ext.amx_linear, rows=ext.amx_packed_rows)
     gen = torch.Generator().manual_seed(0)

@@ -1,19 +1,22 @@
 """Faster bf16 linear layers on the CPU, with a bounded set of oneDNN matmul shapes.
 
-Three ways, picked by `LlamaFamilyForCausalLM.optimize_for_cpu` from what the CPU offers:
+Each `Linear` gets its `LinearMethod` at construction (vLLM's quant-method pattern): the method
+says how the loaded weight is stored (`process`) and how x @ W.T runs (`apply`). Four, picked once
+by `select_linear_method` from what the CPU offers:
 
-- **AMX tiles** (`AmxLinear`, Intel Sapphire Rapids and later): each weight packed once into the
+- **AMX tiles** (`AmxLinearMethod`, Intel Sapphire Rapids and later): each weight packed once into the
   tile layout; one shape-free kernel for every row count. Over a 30-layer SmolLM2-sized weight set
   plus its lm_head (cold caches, Intel Xeon dev host), ms per forward of M rows, AMX vs our
   AVX512-BF16 kernel vs oneDNN (`F.linear`): M=1 13.6 / 12.2 / 27.0, M=8 13.8 / 17.8 / 27.2,
   M=32 14.8 / 53.7 / 29.9, M=128 33.1 / 190 / 49.0, M=1000 218 / - / 216 (BENCHMARKS.md).
-- **Our AVX512-BF16 kernel** (`GemvLinear`, e.g. AMD Zen 4) over plain weights up to
+- **Our AVX512-BF16 kernel** (`GemvLinearMethod`, e.g. AMD Zen 4) over plain weights up to
   KERNEL_MAX_ROWS rows, oneDNN above. Measured on the AMD EPYC dev host of earlier sessions:
   M=8 23.4 vs 11.7 (oneDNN vs ours), M=32 38.2 vs 28.4, M=128 99.8 vs 89.0, M=1000 689 vs 726.
-- **oneDNN-prepacked weights** (`PackedLinear`) when the kernels cannot be built.
+- **oneDNN-prepacked weights** (`OneDNNPackedLinearMethod`) when the kernels cannot be built.
+- **plain `F.linear`** (`TorchLinearMethod`) for float32, GPUs and anything else.
 
 With the kernels, all the weights sit in one arena advised for transparent huge pages
-(`move_weights_to_arena`): streaming them took a TLB miss every 4 KiB.
+(`WeightArena`): streaming them took a TLB miss every 4 KiB.
 
 Why the pieces: oneDNN builds (and caches, up to 1,024 entries) one primitive per distinct matmul
 shape, a few hundred KiB each, and glibc then fragments around them. Under a serving workload
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 
 import torch
@@ -71,28 +75,19 @@ def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-class PackedLinear(nn.Module):
-    """Drop-in for `nn.Linear` on 2-D inputs, holding a oneDNN-packed weight.
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
-    Row counts are cut into power-of-two pieces so oneDNN sees at most ~log2(M) shapes."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
-        with torch.no_grad():
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.bias = None if bias is None else bias.detach().clone()
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        m = x.shape[0]
-        if m & (m - 1) == 0:  # already a power of two (or empty)
-            return self._run(x)
-        return torch.cat([self._run(x[s : s + n]) for s, n in power_of_two_pieces(m, 1)])
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) over a oneDNN-packed weight, rows cut into power-of-two pieces so oneDNN
+    sees at most ~log2(M) shapes."""
+    x = x.contiguous()
+    m = x.shape[0]
+    if m & (m - 1) == 0:  # already a power of two (or empty)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.cat([torch.ops.mkldnn._linear_pointwise(x[s : s + n], packed, bias, "none", [], "")
+                      for s, n in power_of_two_pieces(m, 1)])
 
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv) -> torch.Tensor:
@@ -114,91 +109,169 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-class GemvLinear(nn.Module):
-    """Drop-in for `nn.Linear` on 2-D inputs over plain weights: see `kernel_linear`."""
+class WeightArena:
+    """One buffer for every weight of a model, 2 MiB aligned and advised for transparent huge pages
+    (see `huge_page_zeros` in csrc/amx_gemm.cpp for why: streaming weights took a TLB miss every
+    4 KiB). Each layer reserves its part at construction (shapes are known then); the buffer is
+    allocated at the first `take`, after the weights are loaded."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv,
-                 out: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.weight = weight.detach().contiguous() if out is None else out.copy_(weight.detach())
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.gemv = gemv
+    def __init__(self, kernels: CpuKernels) -> None:
+        self._kernels = kernels
+        self._sizes: dict[int, int] = {}  # id(layer) -> offset
+        self._numel = 0
+        self._buffer: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel_linear(x, self.weight, self.bias, self.gemv)
+    def reserve(self, layer: nn.Module, numel: int) -> None:
+        if self._buffer is not None:
+            raise RuntimeError("the weight arena is allocated already; reserve before loading")
+        self._sizes[id(layer)] = self._numel
+        self._numel += numel
+
+    def take(self, layer: nn.Module, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = self._kernels.huge_page_zeros(self._numel)
+        start = self._sizes.pop(id(layer))
+        return self._buffer[start : start + math.prod(shape)].view(shape)
 
 
-class AmxLinear(nn.Module):
-    """Drop-in for `nn.Linear` on 2-D inputs over a weight packed into the AMX tile layout.
+class LinearMethod(ABC):
+    """How a `Linear` stores its weight and computes x @ W.T (+ bias)."""
 
-    Only the packed copy is kept. One kernel for every row count: a shape-free C++ loop, so
-    nothing is cached per shape (unlike oneDNN, above)."""
+    description: str
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amx: AmxMatmul,
-                 out: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
+    def reserve(self, layer: "Linear") -> None:
+        """Called at construction, when the weight's shape is known (and nothing is allocated)."""
+
+    def process(self, layer: "Linear") -> None:
+        """Called once after the weights are loaded: repack or move `layer.weight` as needed."""
+
+    @abstractmethod
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+
+    def tied_embedding(self, head: "Linear", embedding: nn.Embedding) -> nn.Module:
+        """The token embedding of a model whose lm_head is `head` with tied weights (processed)."""
+        return embedding
+
+
+class TorchLinearMethod(LinearMethod):
+    description = "torch F.linear"
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class OneDNNPackedLinearMethod(LinearMethod):
+    """oneDNN-prepacked weights (only the packed copy is kept; a tied embedding keeps its own)."""
+
+    description = "oneDNN prepacked"
+
+    def process(self, layer: "Linear") -> None:
         with torch.no_grad():
-            self.packed_weight = amx.pack(weight.detach(), out=out)
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.amx = amx
+            layer.packed_weight = onednn_pack(layer.weight)
+        del layer.weight
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, layer.packed_weight, layer.bias)
+
+
+class GemvLinearMethod(LinearMethod):
+    """Plain weights in the arena: our AVX512-BF16 kernel up to KERNEL_MAX_ROWS rows, oneDNN above."""
+
+    description = f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN (one huge-page arena)"
+
+    def __init__(self, kernels: CpuKernels, arena: WeightArena) -> None:
+        self.gemv = kernels.gemv
+        self.arena = arena
+
+    def reserve(self, layer: "Linear") -> None:
+        self.arena.reserve(layer, layer.out_features * layer.in_features)
+
+    def process(self, layer: "Linear") -> None:
+        view = self.arena.take(layer, (layer.out_features, layer.in_features))
+        with torch.no_grad():
+            view.copy_(layer.weight)
+        layer.weight = nn.Parameter(view, requires_grad=False)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return kernel_linear(x, layer.weight, layer.bias, self.gemv)
+
+    def tied_embedding(self, head: "Linear", embedding: nn.Embedding) -> nn.Module:
+        embedding.weight = head.weight  # the arena copy serves both
+        return embedding
+
+
+class AmxLinearMethod(LinearMethod):
+    """Weights packed once into the AMX tile layout, in the arena; one shape-free kernel for every
+    row count, so nothing is cached per shape (unlike oneDNN)."""
+
+    description = "AMX tiles over packed weights (one huge-page arena)"
+
+    def __init__(self, kernels: CpuKernels, arena: WeightArena) -> None:
+        assert kernels.amx is not None
+        self.amx = kernels.amx
+        self.arena = arena
+
+    def reserve(self, layer: "Linear") -> None:
+        self.arena.reserve(layer, math.prod(self.amx.packed_shape(layer.out_features, layer.in_features)))
+
+    def process(self, layer: "Linear") -> None:
+        view = self.arena.take(layer, self.amx.packed_shape(layer.out_features, layer.in_features))
+        with torch.no_grad():
+            layer.packed_weight = self.amx.pack(layer.weight.detach(), out=view)
+        del layer.weight
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return self.amx.linear(x, layer.packed_weight, layer.bias, layer.out_features)
+
+    def tied_embedding(self, head: "Linear", embedding: nn.Embedding) -> nn.Module:
+        return PackedEmbedding(head, self.amx)
+
+
+class Linear(nn.Module):
+    """y = x @ W.T (+ b) on 2-D inputs; `method` (fixed at construction) says how.
+
+    The weight loads into `weight` as for `nn.Linear`; `process_weights()` then hands it to the
+    method, which may repack it and drop the plain copy."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.method = method
+        method.reserve(self)
+
+    def process_weights(self) -> None:
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().contiguous(), requires_grad=False)
+        self.method.process(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.amx.linear(x, self.packed_weight, self.bias, self.out_features)
-
-
-MakeLinear = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], nn.Module]  # weight, bias, arena view
-
-
-def move_weights_to_arena(layers: nn.ModuleList, head_weight: torch.Tensor, kernels: CpuKernels,
-                          shape_of: Callable[[int, int], tuple[int, ...]], make: MakeLinear) -> nn.Module:
-    """Replace every `nn.Linear` in `layers` by `make(weight, bias, view)`, which stores the weight
-    (as `shape_of(N, K)`, packed or plain) in `view`: one arena for all of them and the lm_head,
-    2 MiB aligned and advised for transparent huge pages (see `huge_page_zeros` in
-    csrc/amx_gemm.cpp for why). Returns the lm_head module. Each layer's plain weights go back to
-    the OS once the layer is done, so the resident set peaks at one copy of the weights plus a layer."""
-    sizes = [math.prod(shape_of(*m.weight.shape)) for m in layers.modules() if isinstance(m, nn.Linear)]
-    head_shape = shape_of(*head_weight.shape)
-    arena = kernels.huge_page_zeros(sum(sizes) + math.prod(head_shape))
-    offset = 0
-
-    def take(shape: tuple[int, ...]) -> torch.Tensor:
-        nonlocal offset
-        n = math.prod(shape)
-        view = arena[offset : offset + n].view(shape)
-        offset += n
-        return view
-
-    for layer in layers:
-        replace_linears(layer, lambda lin: make(lin.weight, lin.bias, take(shape_of(*lin.weight.shape))))
-        kernels.release_free_memory()
-    return make(head_weight, None, take(head_shape))
+        return self.method.apply(self, x)
 
 
 class PackedEmbedding(nn.Module):
     """Token embedding that reads its rows from a tied lm_head's AMX-packed weight."""
 
-    def __init__(self, head: AmxLinear) -> None:
+    def __init__(self, head: Linear, amx: AmxMatmul) -> None:
         super().__init__()
         self.head = head
+        self.amx = amx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head
-        return head.amx.rows(head.packed_weight, ids, head.out_features, head.in_features)
+        return self.amx.rows(head.packed_weight, ids, head.out_features, head.in_features)
 
 
-def replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
-    """Replace every `nn.Linear` below `module` by `make(linear)`; returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(child))
-            count += 1
-        else:
-            count += replace_linears(child, make)
-    return count
-
-
-def pack_linears(module: nn.Module) -> int:
-    return replace_linears(module, lambda lin: PackedLinear(lin.weight, lin.bias))
+def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethod:
+    """The fastest bf16 matmul this CPU offers, with one copy of each weight: AMX tiles, else our
+    AVX512-BF16 kernel, else oneDNN-packed weights; plain F.linear for other dtypes and devices."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return TorchLinearMethod()
+    if kernels is not None:
+        arena = WeightArena(kernels)
+        return AmxLinearMethod(kernels, arena) if kernels.amx is not None else GemvLinearMethod(kernels, arena)
+    if packed_linear_available(dtype, device):
+        return OneDNNPackedLinearMethod()
+    return TorchLinearMethod()

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
+
+from chatserve.kernels.cpu_gemv import CpuKernels
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -53,3 +56,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, rotated, sin)
+
+
+class QKRotary:
+    """Rotates q and k of a fused q|k|v projection output; which implementation is fixed at
+    construction: the C++ bf16 pass that rotates them in place inside the projection's output
+    (no q/k norms, head_dim a multiple of 32), or q/k RMSNorm (Qwen3) then `apply_rotary`."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, qk_norm: tuple[nn.Module, nn.Module] | None,
+                 kernels: CpuKernels | None) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qk_norm = qk_norm
+        fits = qk_norm is None and head_dim % 32 == 0
+        self._kernel = kernels.rope_inplace if kernels is not None and fits else None
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D], rotated k [T, KVH, D], v [T, KVH, D]."""
+        t, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self._kernel is not None and qkv.dtype == torch.bfloat16:
+            self._kernel(qkv, cos, sin, h + kvh, d)
+            qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
+            q, k = qk.view(t, h + kvh, d).split([h, kvh], dim=1)
+            return q, k, v.view(t, kvh, d)
+        qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
+        qk = qk.view(t, h + kvh, d)
+        if self.qk_norm is not None:
+            q, k = qk.split([h, kvh], dim=1)
+            qk = torch.cat((self.qk_norm[0](q), self.qk_norm[1](k)), dim=1)
+        # q and k rotate together: one set of elementwise ops instead of two
+        q, k = apply_rotary(qk, cos, sin).split([h, kvh], dim=1)
+        return q, k, v.view(t, kvh, d)

@@ -10,57 +10,16 @@ from typing import Sequence
 import torch
 
 from chatserve.config import CacheConfig, ModelConfig
-from chatserve.worker.forward_batch import build_forward_batch
+from chatserve.core.scheduler import ScheduledSeq
+from chatserve.layers.ops import LayerOps
+from chatserve.layers.rotary import RotaryEmbedding
 from chatserve.models.loader import ModelSource, iter_weights
 from chatserve.models.registry import model_class_for
-from chatserve.layers.rotary import RotaryEmbedding
-from chatserve.kernels.cpu_gemv import load_cpu_kernels
-
-from chatserve.layers.linear import packed_linear_available
+from chatserve.worker.forward_batch import build_forward_batch
+from chatserve.worker.kv_pool import plan_kv_pool
 from chatserve.worker.sampler import Sampler, SampleResult
-from chatserve.core.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_KV_BUDGET_GB = 0.5
-
-
-@dataclass(frozen=True)
-class KVPoolSpec:
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
-def plan_kv_pool(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> KVPoolSpec:
-    per_block = kv_bytes_per_block(cfg, cache.block_size, dtype)
-    if cache.num_kv_blocks is not None:
-        if cache.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {cache.num_kv_blocks}")
-        n = cache.num_kv_blocks
-    else:
-        gb = cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else _DEFAULT_KV_BUDGET_GB
-        if gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {gb}")
-        n = int(gb * (1 << 30)) // per_block
-        if n < 1:
-            raise ValueError(f"kv_cache_memory_gb={gb} is smaller than one KV block ({per_block} bytes)")
-    return KVPoolSpec(n, cache.block_size, per_block)
-
-
-def _decode_kernel_fits(cfg: ModelConfig) -> bool:
-    """The C++ decode kernel's limits: head_dim a multiple of 16 up to 256, <= 16 query heads per KV head."""
-    return cfg.head_dim % 16 == 0 and cfg.head_dim <= 256 and cfg.num_heads // cfg.num_kv_heads <= 16
-
 
 class ModelRunner:
     def __init__(
@@ -72,10 +31,11 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
-        attention_backend: str = "torch",  # resolved: "torch" or "triton" (see attention.resolve_attention_backend)
+        ops: LayerOps,
     ) -> None:
         self.config = model_config
-        self.attention_backend = attention_backend
+        self.ops = ops
+        self.attention_backend = ops.attention
         self.dtype = dtype
         self.device = device
         self.block_size = cache_config.block_size
@@ -85,23 +45,13 @@ class ModelRunner:
         # memory is spent on a random init that load_weights overwrites (it checks
         # that every parameter is filled).
         with torch.device("meta"):
-            model = model_cls(model_config, max_positions=max_model_len)
+            model = model_cls(model_config, max_model_len, ops)
         model = model.to(dtype).to_empty(device=device)
         model.rotary = RotaryEmbedding(model_config.hf_config, model_config.head_dim, max_model_len).to(device)
         model.load_weights(iter_weights(source, hf_config, dtype))
+        model.process_weights()
         self.model = model.eval()
-        self.linear_impl = "torch F.linear"
-        self.decode_kernel = None  # the compiled CPU paged decode attention, where it applies
-        self.store_kv_kernel = None  # and the compiled K/V store
-        if packed_linear_available(dtype, device):
-            kernels = load_cpu_kernels()
-            self.linear_impl = self.model.optimize_for_cpu(kernels)
-            if kernels is not None and attention_backend == "torch":
-                self.store_kv_kernel = kernels.store_kv
-                if _decode_kernel_fits(model_config):
-                    self.decode_kernel = kernels.paged_decode
-        logger.info("matmuls: %s; attention: %s%s", self.linear_impl, attention_backend,
-                    " (C++ paged decode)" if self.decode_kernel is not None else "")
+        self.linear_impl = ops.linear.description
         self.load_seconds = time.perf_counter() - t0
 
         self.pool = plan_kv_pool(model_config, cache_config, dtype)
@@ -168,9 +118,8 @@ class ModelRunner:
         """
         self.copy_blocks(copies)
         self._zero_fresh_blocks(scheduled)
-        # A one-token chunk that ends the sequence is a decode; anything else is an extend.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.completes_prompt]
-        extends = [s for s in scheduled if not (s.num_new_tokens == 1 and s.completes_prompt)]
+        decodes = [s for s in scheduled if s.is_decode]
+        extends = [s for s in scheduled if not s.is_decode]
         batch = build_forward_batch(
             decode_tokens=[s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes],
             decode_positions=[s.seq.num_computed_tokens for s in decodes],
@@ -181,9 +130,7 @@ class ModelRunner:
             extend_need_logits=[s.completes_prompt for s in extends],
             block_size=self.block_size,
             device=self.device,
-            attention_backend=self.attention_backend,
-            decode_kernel=self.decode_kernel,
-            store_kv_kernel=self.store_kv_kernel,
+            backend=self.attention_backend,
         )
         sampled = [s for s in decodes + extends if s.completes_prompt]
         if batch.logits_indices.numel() == 0:

@@ -1,0 +1,22 @@
+"""silu(gate) * up over the fused gate|up projection, with the C++ bf16 kernel fixed at construction."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatserve.kernels.cpu_gemv import CpuKernels
+
+
+class SiluAndMul(nn.Module):
+    def __init__(self, intermediate_size: int, kernels: CpuKernels | None = None) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self._kernel = kernels.silu_mul if kernels is not None and intermediate_size % 16 == 0 else None
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and gate_up.dtype == torch.bfloat16:
+            return self._kernel(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,49 @@
+"""RMSNorm, and the residual add fused with it, with the C++ bf16 kernels fixed at construction."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatserve.kernels.cpu_gemv import CpuKernels
+
+FAST_NORM_MAX_ROWS = 64  # the C++ norms run rows serially; torch's parallel op wins on big batches
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32 and cast back before the weight, as transformers does (bit-exact in fp32).
+
+    `kernels` (the C++ bf16 kernels, or None) decides at construction what bf16 inputs of up to
+    FAST_NORM_MAX_ROWS rows run on; larger batches and other dtypes use torch's ops.
+    """
+
+    def __init__(self, dim: int, eps: float, kernels: CpuKernels | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self._kernel = kernels.rms_norm if kernels is not None else None
+        self._kernel_add = kernels.add_rms_norm if kernels is not None and dim % 16 == 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype != torch.float32:
+            if self._kernel is not None and x.dim() == 2 and x.shape[0] <= FAST_NORM_MAX_ROWS:
+                return self._kernel(x, self.weight, self.eps)
+            # one fused op; differs from the formula below by at most one bf16 ulp
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual stream's add fused with the next norm.
+
+        Same arithmetic either way (the sum is rounded to the stream's dtype before the norm); the
+        C++ pass updates `residual` in place for small bf16 batches, saving one op and one pass.
+        """
+        if (self._kernel_add is not None and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.shape[0] <= FAST_NORM_MAX_ROWS and residual.is_contiguous()):
+            return self._kernel_add(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual

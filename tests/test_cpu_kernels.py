@@ -90,7 +90,8 @@ def test_gemv_matches_float_matmul(kernels, shape):
         out = kernels.gemv(x, w, b).float()
         # one bf16 rounding of the result: relative error below 2^-8
         torch.testing.assert_close(out, ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
-        torch.testing.assert_close(kernels.gemv(x, w, None).float(), F.linear(x.float(), w.float()), atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
+        torch.testing.assert_close(kernels.gemv(x, w, None).float(), F.linear(x.float(), w.float()),
+                                   atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
 
 
 def test_rms_norm_matches_torch(kernels):

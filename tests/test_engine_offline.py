@@ -231,9 +231,9 @@ def test_chinese_and_emoji_text_is_clean_utf8(llm_fp32):
 
 def test_prompt_longer_than_max_model_len(tiny):
     llm = LLM(str(tiny), dtype="float32", max_model_len=32)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
         llm.generate({"prompt_token_ids": list(range(100, 140))})
-    with pytest.raises(ValueError, match="max_model_len"):  # one position must stay free for the reply
+    with pytest.raises(ValueError, match="no room for a reply"):  # one position must stay free for the reply
         llm.generate({"prompt_token_ids": list(range(100, 132))})
     out = llm.generate({"prompt_token_ids": list(range(100, 131))}, SamplingParams(max_tokens=5))[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"  # the context is full after one token
@@ -244,7 +244,7 @@ def test_prompt_needing_more_blocks_than_the_pool(tiny):
     prompt = {"prompt_token_ids": list(range(100, 140))}
     # Without max_model_len, the context is capped by the pool (2 x 16 = 32 tokens).
     llm = LLM(str(tiny), dtype="float32", num_kv_blocks=2, block_size=16)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match=r"maximum context length is 32 tokens \(limited by the KV pool"):
         llm.generate(prompt)
     # With a larger max_model_len, the block check itself speaks (at load or at admission).
     with pytest.raises(ValueError, match="(?i)blocks"):
@@ -276,7 +276,8 @@ def test_invalid_sampling_params():
 def test_unsupported_architecture(tmp_path, smollm_tokenizer):
     from transformers import GPT2Config
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(smollm_tokenizer), architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(smollm_tokenizer), architectures=["GPT2LMHeadModel"])
+    config.save_pretrained(tmp_path)
     smollm_tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError) as err:
         LLM(str(tmp_path), dtype="float32")

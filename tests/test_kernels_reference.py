@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from chatserve.worker.forward_batch import build_forward_batch
 from chatserve.kernels import (
     cascade_decode_attention,
     cascade_extend_attention,
@@ -15,6 +14,7 @@ from chatserve.kernels import (
     paged_extend_attention,
     store_kv_cache,
 )
+from chatserve.worker.forward_batch import build_forward_batch
 
 
 def dense_attention(q, k, v, scale, q_positions):
@@ -62,7 +62,8 @@ def test_paged_decode_matches_dense(block_size, dtype):
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     out = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens), d**-0.5)
     for i, n in enumerate(lens):
-        ref = dense_attention(q[i : i + 1], gather_dense(k_cache, tables[i], n, block_size), gather_dense(v_cache, tables[i], n, block_size), d**-0.5, [n - 1])
+        k_dense, v_dense = gather_dense(k_cache, tables[i], n, block_size), gather_dense(v_cache, tables[i], n, block_size)
+        ref = dense_attention(q[i : i + 1], k_dense, v_dense, d**-0.5, [n - 1])
         torch.testing.assert_close(out[i].float(), ref[0], atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -144,6 +145,7 @@ def test_cascade_extend_equals_plain(dtype):
     g = batch.attn.extend_groups[0]
     q = torch.randn(sum(n for _, n in specs), h, d).to(dtype)
     qsl = [0, 20, 27, 67]
-    plain = paged_extend_attention(q, k_cache, v_cache, torch.tensor(tables), torch.tensor(qsl), torch.tensor([p + n for p, n in specs]), d**-0.5)
+    seq_lens = torch.tensor([p + n for p, n in specs])
+    plain = paged_extend_attention(q, k_cache, v_cache, torch.tensor(tables), torch.tensor(qsl), seq_lens, d**-0.5)
     out = cascade_extend_attention(q[g.token_rows], k_cache, v_cache, g.prefix_slots, g.query_lens, g.suffix_slots, d**-0.5)
     torch.testing.assert_close(out.float(), plain[g.token_rows].float(), atol=TOL[dtype], rtol=TOL[dtype])

@@ -12,7 +12,6 @@ from collections import Counter
 from typing import NamedTuple
 
 from chatserve.cache import BlockAllocator, MatchResult, PrefixCache, make_prefix_cache
-
 from chatserve.core.sequence import Sequence
 
 
@@ -165,6 +164,20 @@ class BlockManager:
         seq.cache_node = None
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block back to the free list, so the next request starts cold.
+
+        Refused (False, nothing changed) while any sequence holds blocks: its tree
+        blocks are locked and its next step reads them. Idle means the DESIGN
+        invariant "free + evictable == total, no lock, no pending copy" holds, and
+        then evicting every unlocked node frees every block.
+        """
+        s = self.cache.stats()
+        if s.locked or self._pending_copies or s.free + s.evictable != s.total:
+            return False
+        self.cache.reset()
+        return self.allocator.num_free == self.allocator.num_total
 
     # ---- checks ------------------------------------------------------------
     def check_integrity(self, live: list[Sequence]) -> None:

@@ -12,12 +12,11 @@ prefix cache, so resuming it is cheap).
 from __future__ import annotations
 
 import time
-
 from collections import deque
 from dataclasses import dataclass, field
 
-from chatserve.core.block_manager import BlockManager
 from chatserve.config import SchedulerConfig
+from chatserve.core.block_manager import BlockManager
 from chatserve.core.sequence import Sequence, SequenceStatus
 
 
@@ -30,6 +29,16 @@ class ScheduledSeq:
     def completes_prompt(self) -> bool:
         """True when this chunk reaches the end of the sequence's tokens, so a new token is sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """The one definition of a decode: a single new token that ends the sequence.
+
+        Everything else (a prompt chunk, the last token of a prompt whose rest came from the
+        cache, a recompute after preemption) is an extend: prefill work for the stats, and the
+        extend path of the attention (same arithmetic as a decode for one query token).
+        """
+        return self.num_new_tokens == 1 and self.completes_prompt and self.seq.num_output_tokens > 0
 
 
 @dataclass
@@ -108,8 +117,6 @@ class Scheduler:
                 deferred.append(seq)
                 continue
             cached += self.blocks.reuse_partial_block(seq)
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = cached
             n = min(seq.num_uncomputed_tokens, budget, chunk)
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq, keep_in_cache=False)
@@ -117,8 +124,9 @@ class Scheduler:
                 break
             self.blocks.record_admission(seq, cached)
             seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
+            if seq.stats.first_scheduled_time is None:  # the request's first admission (of any of its n)
+                seq.stats.first_scheduled_time = time.monotonic()
+                seq.stats.num_cached_tokens = cached
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(seq.seq_id)
@@ -150,7 +158,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq, keep_in_cache=True)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
+        seq.stats.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

@@ -57,17 +57,6 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
 
     @property
-    def first_token_time(self) -> float | None:
-        """The request's first sampled token (any of its sequences): kept as a name because
-        `LLMEngine.step` sets it; the value lives in `stats`."""
-        return self.stats.first_token_time
-
-    @first_token_time.setter
-    def first_token_time(self, value: float | None) -> None:
-        if self.stats.first_token_time is None:
-            self.stats.first_token_time = value
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -12,8 +12,9 @@ loop *between* steps, on the event-loop thread, never while a step is in flight.
 Only `step()` itself runs in the worker thread. Consequently every public method
 here must be called from the event-loop thread that drives the engine.
 
-Life of a request: `generate()` validates eagerly (tokenize, length, duplicate
-id) and queues the add; the loop adds it at the next step boundary; outputs flow
+Life of a request: `generate()` validates eagerly (the input processor's rules,
+once, plus the duplicate id) and queues the add of its `ProcessedPrompt`; the
+loop adds it at the next step boundary (not checking it again); outputs flow
 through the queue; the iterator stops after the output with `finished=True`.
 `abort()` (or leaving the `async for` early) queues an abort; the loop applies it
 after the step in flight, so the final output (finish_reason "abort") arrives at
@@ -34,8 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
-from chatserve.outputs import CompletionOutput, RequestOutput
+from chatserve.outputs import CompletionOutput, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,14 +66,13 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (time.monotonic) of one request's life, for latency metrics."""
+    """One request's life as the async side saw it: its `RequestStats` (timings and counters,
+    filled by the engine) plus what only the async side knows: how it ended and, for an abort,
+    when and where it landed. The timing names read through to `stats`, so there is one copy.
+    """
 
     request_id: str
-    arrival_time: float  # when generate() accepted it
-    num_prompt_tokens: int
-    first_token_time: float | None = None  # when its first token was sampled
-    finish_time: float | None = None  # when its final output was handed to its stream
-    num_generated_tokens: int = 0
+    stats: RequestStats  # arrival_time is when generate() accepted it
     finish_reason: str | None = None
     # LLMEngine.num_steps when an abort was asked for and when the final output was handed over:
     # finish_step - abort_step <= 1 (an abort waits at most for the step in flight).
@@ -81,20 +82,46 @@ class RequestMetrics:
     # many KV blocks it gave back (see LLMEngine.describe_request). None if it finished on its own.
     aborted_in_state: str | None = None
     blocks_freed: int = 0
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
+
+    @property
+    def arrival_time(self) -> float:
+        return self.stats.arrival_time
+
+    @property
+    def first_scheduled_time(self) -> float | None:
+        return self.stats.first_scheduled_time
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.stats.first_token_time
+
+    @property
+    def finish_time(self) -> float | None:
+        return self.stats.finish_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.stats.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.stats.num_cached_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.stats.num_generated_tokens
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return self.stats.queue_time
 
     @property
     def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return self.stats.time_to_first_token
 
     @property
     def latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
+        return self.stats.latency
 
 
 @dataclass(eq=False)
@@ -102,7 +129,7 @@ class _Stream:
     """One request as the async side sees it: its queue and where it stands."""
 
     request_id: str
-    prompt: dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text | None}: tokenized once, eagerly
+    prompt: ProcessedPrompt  # processed once, eagerly, by generate()
     params: SamplingParams
     metrics: RequestMetrics
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | EngineDeadError
@@ -151,12 +178,40 @@ class AsyncLLMEngine:
         return cls(engine, executor)
 
     # ---- introspection -----------------------------------------------------------------------
+    # NOTE: what the server needs of the engine, so nothing reaches through `.engine`. Settled at
+    # load and never changed, so reading them from the event loop while a step runs is safe.
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (EngineArgs.served_model_name, else the model's folder name)."""
+        return self.engine.served_model_name
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.args.max_num_seqs
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """Render, tokenize and validate here, then hand the ProcessedPrompt to `generate()`: it is not checked again."""
+        return self.engine.input_processor
 
     def is_healthy(self) -> bool:
         return self._dead is None
@@ -251,9 +306,10 @@ class AsyncLLMEngine:
         """Start a request and return an async iterator of its outputs (shaped by `output_kind`).
 
         A regular method, not an `async def`, on purpose: everything that can be refused is checked
-        here, before any work, so the caller gets the ValueError (prompt too long or empty, bad
-        token ids, duplicate live request_id) or EngineDeadError at the call, not on first iteration.
-        Must be called from within the running event loop that drives this engine.
+        here, before any work, so the caller gets the ValueError (a PromptError for the prompt: too
+        long, empty, bad token ids; or a duplicate live request_id) or EngineDeadError at the call,
+        not on first iteration. A ProcessedPrompt (from `input_processor.process`) is not checked
+        again. Must be called from within the running event loop that drives this engine.
 
         Leaving the `async for` early (break, `aclose()`, cancellation) aborts the request. An
         iterator that is never iterated still runs its request to the end (and buffers its outputs).
@@ -264,15 +320,10 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running; use a unique id per request")
         params = sampling_params if sampling_params is not None else SamplingParams()
-        text, ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate_prompt_len(len(ids))
+        processed = self.engine.input_processor.process(prompt)
         self._ensure_loop()
-        stream = _Stream(
-            request_id=request_id,
-            prompt={"prompt_token_ids": ids, "prompt": text},
-            params=params,
-            metrics=RequestMetrics(request_id, time.monotonic(), len(ids)),
-        )
+        stats = RequestStats(num_prompt_tokens=processed.num_tokens)
+        stream = _Stream(request_id=request_id, prompt=processed, params=params, metrics=RequestMetrics(request_id, stats))
         self._streams[request_id] = stream
         self._enqueue(("add", stream))
         return self._iterate(stream)
@@ -402,7 +453,7 @@ class AsyncLLMEngine:
                 if stream.finished:
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(stream.request_id, stream.prompt, stream.params)
+                    self.engine.add_request(stream.request_id, stream.prompt, stream.params, stats=stream.metrics.stats)
                 except Exception as exc:  # noqa: BLE001 - validated already; refuse this request only
                     self._deliver_error(stream, exc)
                     continue
@@ -433,25 +484,12 @@ class AsyncLLMEngine:
 
     def _deliver(self, stream: _Stream, out: RequestOutput) -> None:
         m = stream.metrics
-        now = time.monotonic()
-        num_tokens = sum(len(o.token_ids) for o in out.outputs)
-        if stream.params.output_kind == "delta":
-            m.num_generated_tokens += num_tokens
-        else:
-            m.num_generated_tokens = num_tokens
-        if m.first_token_time is None and any(o.token_ids for o in out.outputs):
-            m.first_token_time = out.metrics.get("first_token_time") or now
-        if out.num_cached_tokens:
-            m.num_cached_tokens = out.num_cached_tokens
-        if m.first_scheduled_time is None and out.metrics.get("first_scheduled_time"):
-            m.first_scheduled_time = out.metrics["first_scheduled_time"]
-        out.metrics["arrival_time"] = m.arrival_time
-        if m.first_token_time is not None:
-            out.metrics["first_token_time"] = m.first_token_time
+        # NOTE: out.stats is m.stats (the engine fills the record generate() made), except for an
+        # output made here for a request that never reached the engine: _abort_output passes it too.
         if out.finished:
-            m.finish_time = now
+            if m.stats.finish_time is None:
+                m.stats.finish_time = time.monotonic()
             m.finish_step = self.engine.num_steps
-            out.metrics["finish_time"] = now
             reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
             m.finish_reason = reasons[0] if reasons else None
             self._finish(stream)
@@ -473,10 +511,11 @@ class AsyncLLMEngine:
         """The final output of a request that never reached the LLMEngine (or left it already)."""
         return RequestOutput(
             request_id=stream.request_id,
-            prompt=stream.prompt.get("prompt"),
-            prompt_token_ids=stream.prompt["prompt_token_ids"],
+            prompt=stream.prompt.prompt,
+            prompt_token_ids=stream.prompt.prompt_token_ids,
             outputs=[CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(stream.n)],
             finished=True,
+            stats=stream.metrics.stats,
         )
 
     def _abort_all(self) -> None:

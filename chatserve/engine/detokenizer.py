@@ -22,8 +22,9 @@ recognised.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 # The replacement character a lossy UTF-8 decode yields for an incomplete or invalid byte sequence.
 REPLACEMENT_CHAR = "\ufffd"

@@ -7,29 +7,31 @@ globals, so several engines can share one process.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from chatserve.attention.dispatch import resolve_attention_backend
-from chatserve.core.block_manager import BlockManager
 from chatserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, resolve_dtype
-from chatserve.engine.detokenizer import IncrementalDetokenizer
-from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
-from chatserve.worker.model_runner import ModelRunner
-from chatserve.outputs import CompletionOutput, Logprob, RequestOutput
-from chatserve.worker.sampler import make_generator
-from chatserve.sampling_params import SamplingParams
+from chatserve.core.block_manager import BlockManager
 from chatserve.core.scheduler import Scheduler
 from chatserve.core.sequence import Sequence, SequenceStatus
+from chatserve.engine.detokenizer import IncrementalDetokenizer
+from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
+from chatserve.layers.ops import select_layer_ops
+from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
+from chatserve.sampling_params import SamplingParams
+from chatserve.worker.model_runner import ModelRunner
+from chatserve.worker.sampler import make_generator
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | dict[str, Any]
+PromptType = str | dict[str, Any] | ProcessedPrompt
 
 
 @dataclass
@@ -38,8 +40,8 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    stats: RequestStats
     seqs: list[Sequence] = field(default_factory=list)
-    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def finished(self) -> bool:
@@ -59,8 +61,6 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         self.device = _resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        # auto: Triton on CUDA, the torch reference on the CPU; "triton" on the CPU only interpreted
-        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
         self.hf_config = load_hf_config(self.source)
@@ -71,9 +71,16 @@ class LLMEngine:
 
         cache_cfg = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb, args.enable_prefix_caching)
         max_len = args.max_model_len or self.model_config.max_position_embeddings
+        cfg = self.model_config
+        # auto: Triton on CUDA, the torch path (with the C++ kernels where they apply) on the CPU
+        ops = select_layer_ops(
+            dtype=self.dtype, device=self.device, attention_backend=args.attention_backend,
+            cpu_kernels=args.cpu_kernels, amx=args.amx,
+            head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        )
+        self.attention_backend = ops.attention.name  # "torch", "cpu" or "triton"
         self.runner = ModelRunner(
-            self.source, self.hf_config, self.model_config, cache_cfg, self.dtype, self.device, max_model_len=max_len,
-            attention_backend=self.attention_backend,
+            self.source, self.hf_config, cfg, cache_cfg, self.dtype, self.device, max_model_len=max_len, ops=ops,
         )
         self.runner.eos_token_ids = tuple(self.eos_token_ids)
         pool = self.runner.pool
@@ -106,48 +113,50 @@ class LLMEngine:
         )
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    @functools.cached_property
+    def input_processor(self) -> InputProcessor:
+        """Template + tokenize + validate against this engine's limits: the one input path.
+
+        Built on first use from what `__init__` settled (max_model_len, the pool), so it sees the
+        final limits; `add_request` trusts the ProcessedPrompt it returns.
+        """
+        return InputProcessor(
+            self.tokenizer,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_model_len_note=self.max_model_len_note,
+            num_kv_blocks=self.block_manager.num_total_blocks,
+            block_size=self.block_manager.block_size,
+        )
+
     # ---- requests ----------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
-            return prompt.get("prompt"), list(ids)
-        raise ValueError('prompt must be a string or {"prompt_token_ids": [...]}')
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        stats: RequestStats | None = None,
+    ) -> Request:
+        """Queue a request. A ProcessedPrompt is taken as checked; a str or dict is processed first.
 
-    def validate_prompt_len(self, num_tokens: int) -> None:
-        if num_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}{self.max_model_len_note}: "
-                "shorten the prompt (at least one token must be left for the reply)"
-            )
-        needed = self.block_manager.blocks_for(num_tokens + 1)
-        if needed > self.block_manager.num_total_blocks:
-            raise ValueError(
-                f"the prompt needs {needed} KV blocks but the pool has only {self.block_manager.num_total_blocks}; "
-                "raise num_kv_blocks / kv_cache_memory_gb or shorten the prompt"
-            )
-
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
+        stats: the request's record when the caller started it earlier (the async engine does, at
+        arrival); the engine fills it in place. Raises ValueError (PromptError for the prompt).
+        """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params or SamplingParams()
-        text, ids = self.tokenize_prompt(prompt)
-        self.validate_prompt_len(len(ids))
-        req = Request(request_id, text, ids, params)
+        processed = self.input_processor.process(prompt)
+        ids = processed.prompt_token_ids
+        stats = stats if stats is not None else RequestStats()
+        stats.num_prompt_tokens = len(ids)
+        req = Request(request_id, processed.prompt, ids, params, stats)
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids),
@@ -165,6 +174,7 @@ class LLMEngine:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
+                stats=stats,
             )
             req.seqs.append(seq)
             self.scheduler.add(seq)
@@ -199,8 +209,7 @@ class LLMEngine:
         finally:
             self.block_manager.finish_copies(copies)
         for s in sched.scheduled:
-            is_decode = s.num_new_tokens == 1 and s.completes_prompt and s.seq.num_output_tokens > 0
-            if not is_decode:
+            if not s.is_decode:
                 self.num_prefill_tokens_computed += s.num_new_tokens
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.publish(s.seq)  # returns at once unless a new full block was computed
@@ -211,8 +220,8 @@ class LLMEngine:
             token = result.token_ids[i]
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
+            if seq.stats.first_token_time is None:
+                seq.stats.first_token_time = now
             lp = result.logprobs[i]
             if seq.logprobs is not None and lp is not None:
                 seq.logprobs.append(self._logprob_entry(lp))
@@ -266,6 +275,10 @@ class LLMEngine:
     def _make_output(self, req: Request) -> RequestOutput | None:
         kind = req.params.output_kind
         finished = req.finished
+        stats = req.stats
+        stats.num_generated_tokens = sum(seq.num_output_tokens for seq in req.seqs)
+        if finished and stats.finish_time is None:
+            stats.finish_time = time.monotonic()
         if kind == "final_only" and not finished:
             return None
         outs = []
@@ -297,19 +310,13 @@ class LLMEngine:
             )
         if not outs:
             return None
-        first = req.seqs[0]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=outs,
             finished=finished,
-            num_cached_tokens=first.num_cached_tokens or 0,
-            metrics={
-                "arrival_time": req.arrival_time,
-                "first_token_time": first.first_token_time or 0.0,
-                "first_scheduled_time": first.first_scheduled_time or 0.0,
-            },
+            stats=stats,
         )
 
     # ---- introspection -------------------------------------------------------
@@ -338,6 +345,17 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity([s for s in self.live_sequences() if s.block_table])
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (every unlocked cached block back to the free list).
+
+        For benchmarks and tests that need a cold start without reaching into the block
+        manager. Like vLLM's, it refuses (returns False, nothing changed) while a sequence is
+        running: its blocks are locked in the tree and its next step reads them.
+        """
+        if self.scheduler.running:
+            return False
+        return self.block_manager.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
         cache = self.block_manager.cache.stats()

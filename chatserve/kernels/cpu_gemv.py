@@ -77,12 +77,17 @@ def load_cpu_kernels(amx: bool = True) -> CpuKernels | None:
         from torch.utils.cpp_extension import load
 
         ext = load(
-            name="chatserve_bf16_gemv",
+            # NOTE: one build folder per version of the sources (their hash in the name): checkouts
+            # with different sources sharing ~/.cache/torch_extensions would otherwise rebuild over
+            # each other (and a process killed mid-build leaves a lock that stalls the others);
+            # checkouts with the same sources share one build.
+            name=f"chatserve_cpu_kernels_{_sources_hash()}",
             sources=[str(p) for p in _SOURCES],
             # -fopenmp: at::parallel_for is inlined from headers and is serial without it
             # the header's hash in the flags: torch rebuilds when sources or flags change, not headers
             # -mamx-*: only the AMX functions use tile instructions; they run only where amx_available()
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+                          "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -126,6 +131,12 @@ def _load_amx(ext) -> AmxMatmul | None:
             logger.warning("AMX matmul gave wrong results; using the AVX512-BF16 kernel")
             return None
     return amx
+
+
+def _sources_hash() -> str:
+    import hashlib
+
+    return hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
 
 
 def _headers_hash() -> str:

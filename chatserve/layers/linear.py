@@ -139,16 +139,16 @@ class LinearMethod(ABC):
 
     description: str
 
-    def reserve(self, layer: "Linear") -> None:
+    def reserve(self, layer: Linear) -> None:  # noqa: B027 - most methods need no space
         """Called at construction, when the weight's shape is known (and nothing is allocated)."""
 
-    def process(self, layer: "Linear") -> None:
+    def process(self, layer: Linear) -> None:  # noqa: B027 - F.linear keeps the loaded weight
         """Called once after the weights are loaded: repack or move `layer.weight` as needed."""
 
     @abstractmethod
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
-    def tied_embedding(self, head: "Linear", embedding: nn.Embedding) -> nn.Module:
+    def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
         """The token embedding of a model whose lm_head is `head` with tied weights (processed)."""
         return embedding
 
@@ -156,7 +156,7 @@ class LinearMethod(ABC):
 class TorchLinearMethod(LinearMethod):
     description = "torch F.linear"
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -165,12 +165,12 @@ class OneDNNPackedLinearMethod(LinearMethod):
 
     description = "oneDNN prepacked"
 
-    def process(self, layer: "Linear") -> None:
+    def process(self, layer: Linear) -> None:
         with torch.no_grad():
             layer.packed_weight = onednn_pack(layer.weight)
         del layer.weight
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return onednn_linear(x, layer.packed_weight, layer.bias)
 
 
@@ -183,19 +183,19 @@ class GemvLinearMethod(LinearMethod):
         self.gemv = kernels.gemv
         self.arena = arena
 
-    def reserve(self, layer: "Linear") -> None:
+    def reserve(self, layer: Linear) -> None:
         self.arena.reserve(layer, layer.out_features * layer.in_features)
 
-    def process(self, layer: "Linear") -> None:
+    def process(self, layer: Linear) -> None:
         view = self.arena.take(layer, (layer.out_features, layer.in_features))
         with torch.no_grad():
             view.copy_(layer.weight)
         layer.weight = nn.Parameter(view, requires_grad=False)
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return kernel_linear(x, layer.weight, layer.bias, self.gemv)
 
-    def tied_embedding(self, head: "Linear", embedding: nn.Embedding) -> nn.Module:
+    def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
         embedding.weight = head.weight  # the arena copy serves both
         return embedding
 
@@ -211,19 +211,19 @@ class AmxLinearMethod(LinearMethod):
         self.amx = kernels.amx
         self.arena = arena
 
-    def reserve(self, layer: "Linear") -> None:
+    def reserve(self, layer: Linear) -> None:
         self.arena.reserve(layer, math.prod(self.amx.packed_shape(layer.out_features, layer.in_features)))
 
-    def process(self, layer: "Linear") -> None:
+    def process(self, layer: Linear) -> None:
         view = self.arena.take(layer, self.amx.packed_shape(layer.out_features, layer.in_features))
         with torch.no_grad():
             layer.packed_weight = self.amx.pack(layer.weight.detach(), out=view)
         del layer.weight
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.amx.linear(x, layer.packed_weight, layer.bias, layer.out_features)
 
-    def tied_embedding(self, head: "Linear", embedding: nn.Embedding) -> nn.Module:
+    def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
         return PackedEmbedding(head, self.amx)
 
 

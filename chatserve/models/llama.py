@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from chatserve.attention.base import AttentionBackend

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -40,7 +39,7 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_config.block_size
         t0 = time.perf_counter()
-        model_cls = model_class_for(model_config)
+        model_cls = model_class_for(model_config.architecture)
         # NOTE: built on the meta device and materialised uninitialised: no time or
         # memory is spent on a random init that load_weights overwrites (it checks
         # that every parameter is filled).

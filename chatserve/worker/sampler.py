@@ -22,8 +22,8 @@ whatever else is in the batch and wherever its row is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -1,0 +1,165 @@
+"""One input path: chat template, tokenize, validate, once per request.
+
+Every front end (the offline `LLM`, `AsyncLLMEngine.generate`, the HTTP routes) turns its
+input into a `ProcessedPrompt` here, and `LLMEngine.add_request` trusts one it is handed. So
+each rule that can refuse a prompt is written once, with one message, and checked once: the
+caller hears it at the call, before any work, and nothing downstream re-validates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Message = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt that passed every rule. Only `InputProcessor.process` should make one: the
+    engine does not check it again (building one by hand means "already checked")."""
+
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class PromptError(ValueError):
+    """A refused prompt. `param` names the request field to fix and `code` is OpenAI's error
+    code (when there is one), so the server answers with them without re-deriving anything."""
+
+    def __init__(self, message: str, *, param: str = "prompt", code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    conversation: Sequence[Message],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    *,
+    param: str = "messages",
+    **template_kwargs: Any,
+) -> list[int]:
+    """Render with the model's template, then tokenize without adding special tokens again.
+
+    A free function because it needs only a tokenizer (tests and scripts render without an
+    engine); `InputProcessor.render_chat` is the engine's door to it.
+    """
+    for m in conversation:
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise PromptError('each message must be a dict with "role" and "content"', param=param)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise PromptError(
+            "this model has no chat template; pass chat_template=... or use generate() with a plain prompt", param=param
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in conversation], add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=chat_template, **template_kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - a template that raises on this conversation (jinja error)
+        raise PromptError(f"the chat template could not render these messages: {exc}", param=param) from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class InputProcessor:
+    """Template + tokenize + validate for one engine: its tokenizer and its limits."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_model_len_note: str,
+        num_kv_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_model_len_note = max_model_len_note  # why the limit is what it is, e.g. the KV pool
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        param: str = "messages",
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """A conversation's token ids through the chat template; PromptError(param=param) if it cannot render."""
+        return apply_chat_template(
+            self.tokenizer, messages, add_generation_prompt, chat_template, param=param, **template_kwargs
+        )
+
+    def process(
+        self, prompt: str | dict[str, Any] | ProcessedPrompt, *, max_tokens: int | None = None, param: str = "prompt"
+    ) -> ProcessedPrompt:
+        """Tokenize a str or {"prompt_token_ids": [...]} and check every rule; a ProcessedPrompt passes as is.
+
+        max_tokens, when given, is the caller's explicit budget for the reply: a prompt that fits
+        but leaves it no room is refused (param "max_tokens"). Without it, generation simply stops
+        at max_model_len. Raises PromptError (a ValueError) naming `param`.
+        """
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        text, ids = self._tokenize(prompt, param)
+        self.check_length(len(ids), max_tokens, param=param)
+        return ProcessedPrompt(text, ids)
+
+    def _tokenize(self, prompt: Any, param: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise PromptError("prompt_token_ids must be a list of ints", param=param)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise PromptError(
+                    f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param=param
+                )
+            text = prompt.get("prompt")
+            return text if isinstance(text, str) else None, list(ids)
+        raise PromptError('prompt must be a string or {"prompt_token_ids": [...]}', param=param)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None = None, *, param: str = "prompt") -> None:
+        """The length rules alone, for a caller that holds only a count (OpenAI's wording, with the numbers)."""
+        limit = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise PromptError("the prompt is empty", param=param)
+        if num_prompt_tokens >= limit:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens{self.max_model_len_note}. However, your "
+                f"prompt has {num_prompt_tokens} tokens, which leaves no room for a reply. Please shorten the prompt.",
+                param=param, code="context_length_exceeded",
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens{self.max_model_len_note}. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                "for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        # NOTE: the prompt plus the first sampled token must fit in the pool at once.
+        needed = -(-(num_prompt_tokens + 1) // self.block_size)
+        if needed > self.num_kv_blocks:
+            raise PromptError(
+                f"the prompt needs {needed} KV blocks but the pool has only {self.num_kv_blocks}; "
+                "raise num_kv_blocks / kv_cache_memory_gb or shorten the prompt",
+                param=param,
+            )
+
+
+__all__ = ["InputProcessor", "ProcessedPrompt", "PromptError", "apply_chat_template"]

@@ -9,12 +9,12 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from .server_utils import ROOT, ServerProcess, free_port, start_server
+from .helpers.net import free_port, wait_until
+from .helpers.server import ROOT, ServerProcess, start_server
 
 SCRIPT = ROOT / "scripts" / "bench_serving.py"
 DIST_KEYS = {"p50", "p90", "p99", "mean"}
@@ -143,10 +143,7 @@ def plain_server():
     srv = uvicorn.Server(uvicorn.Config(_plain_openai_app(), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
+    wait_until(lambda: srv.started, 20, "uvicorn to start")
     yield f"http://127.0.0.1:{port}"
     srv.should_exit = True
     thread.join(10)

@@ -23,7 +23,7 @@ def test_shared_system_prompt_is_reused(llm_fp32):
     llm = llm_fp32
     tok = llm.get_tokenizer()
     bs = llm.engine.block_manager.block_size
-    llm.engine.block_manager.cache.reset()
+    assert llm.engine.reset_prefix_cache()
     prefix = _system_ids(tok)
     assert len(prefix) >= 700
     questions = ["What is topic 3?", "Tell me about topic 11.", "Summarise rule 7.", "Which source for topic 20?"]
@@ -42,7 +42,7 @@ def test_three_turn_conversation_reuses_whole_history(llm_fp32):
     llm = llm_fp32
     tok = llm.get_tokenizer()
     bs = llm.engine.block_manager.block_size
-    llm.engine.block_manager.cache.reset()
+    assert llm.engine.reset_prefix_cache()
     ids = apply_chat_template(tok, [{"role": "user", "content": "Name a fruit."}])
     history_len = 0  # prompt + reply tokens of the previous turn
     for turn, msg in enumerate(["And a vegetable?", "And a colour?", "Thanks!"]):
@@ -113,3 +113,36 @@ def test_tiny_budget_evicts_and_never_leaks(tiny_checkpoint):
     llm.engine.check_integrity()
     with pytest.raises(ValueError, match="blocks"):
         llm.generate({"prompt_token_ids": list(range(100, 100 + 20 * 16))}, SamplingParams(max_tokens=1))
+
+
+def test_reset_prefix_cache_empties_the_tree_but_refuses_while_a_request_runs(tiny_checkpoint):
+    """Benchmarks start each scenario cold through this public call (no reaching into the block
+    manager); while a request runs its blocks are in use, so the reset must change nothing."""
+    folder = tiny_checkpoint("llama")
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=16)
+    engine = llm.engine
+    rng = random.Random(5)
+    prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(50)]}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate(prompt, params)[0]
+    assert first.num_cached_tokens == 0
+    cached = engine.stats()["num_cached_blocks"]
+    assert cached >= 3  # the prompt's full blocks stay in the tree
+
+    engine.add_request("running", prompt, params)
+    engine.step()
+    before = engine.stats()
+    assert before["num_running"] == 1
+    assert engine.reset_prefix_cache() is False
+    assert engine.stats() == before, "a refused reset must change nothing"
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    assert engine.reset_prefix_cache() is True
+    stats = engine.stats()
+    assert stats["num_cached_blocks"] == stats["num_locked_blocks"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    engine.check_integrity()
+    again = llm.generate(prompt, params)[0]
+    assert again.num_cached_tokens == 0, "the prompt's blocks must be gone from the cache"
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -14,7 +14,10 @@ import httpx
 import openai
 import pytest
 
-from .server_utils import ServerProcess, start_server
+from .helpers.errors import assert_error
+from .helpers.net import wait_until
+from .helpers.server import ServerProcess, start_server
+from .helpers.streams import Stream, sse_events, stream_in_thread
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,42 +49,6 @@ def post(server: ServerProcess, path: str, body: object = None, *, content: byte
         return httpx.post(f"{server.url}{path}", json=body, headers=h, timeout=120)
     h.setdefault("content-type", "application/json")
     return httpx.post(f"{server.url}{path}", content=content, headers=h, timeout=120)
-
-
-def sse_events(resp: httpx.Response) -> list[tuple[str | None, str]]:
-    """(id, data) per event, from the raw lines: checks the framing itself, not a library's view of it."""
-    return _parse_sse_lines(resp.iter_lines())
-
-
-def _parse_sse_lines(lines) -> list[tuple[str | None, str]]:
-    events, cur_id, data = [], None, []
-    for line in lines:
-        if line == "":
-            if data:
-                events.append((cur_id, "\n".join(data)))
-            cur_id, data = None, []
-        elif line.startswith(":"):
-            continue  # keepalive comment
-        elif line.startswith("id:"):
-            cur_id = line[3:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-        else:
-            assert line.startswith(("event:", "retry:")), f"unexpected SSE line {line!r}"
-    return events
-
-
-def assert_error(resp: httpx.Response, status: int, *, contains: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert "Traceback" not in err["message"]
-    if contains:
-        assert contains in err["message"], err["message"]
-    return err
 
 
 # ---- the official SDK ------------------------------------------------------------------------------
@@ -329,46 +296,8 @@ def small_server():
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
-def _stream_in_thread(url: str, body: dict, rid: str, sink: dict) -> threading.Thread:
-    def run():
-        try:
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": rid},
-                              timeout=120) as r:
-                sink["status"] = r.status_code
-                sink["events"] = []
-                if r.status_code == 200:
-                    sink["data_lines"] = 0
-                    lines = []
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        sink["data_lines"] += line.startswith("data:")
-                    sink["events"] = _parse_sse_lines(lines)
-                if r.status_code != 200:
-                    r.read()
-                    sink["body"] = r.json()
-                    sink["headers"] = dict(r.headers)
-        except Exception as exc:  # noqa: BLE001
-            sink["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-def _finish_reason(sink: dict) -> str | None:
-    for _, data in sink.get("events", []):
-        if data != "[DONE]":
-            for ch in json.loads(data).get("choices", []):
-                if ch.get("finish_reason"):
-                    return ch["finish_reason"]
-    return None
-
-
-def _wait_for(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+def _stream(url: str, body: dict, rid: str) -> Stream:
+    return stream_in_thread(url, "/v1/chat/completions", body, headers={"X-Request-Id": rid})
 
 
 def test_cancel_in_waiting_prefilling_and_decoding_states(small_server):
@@ -379,13 +308,11 @@ def test_cancel_in_waiting_prefilling_and_decoding_states(small_server):
     prefill_body = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 5, "stream": True}
 
     # decoding: a running request with tokens flowing
-    a: dict = {}
-    ta = _stream_in_thread(srv.url, decode_body, "dec-1", a)
-    _wait_for(lambda: a.get("data_lines", 0) >= 3, timeout=60)  # role chunk + two tokens: decoding
+    a = _stream(srv.url, decode_body, "dec-1")
+    wait_until(lambda: len(a.data) >= 3, 60, "decoding")  # role chunk + two tokens
     # waiting: the only slot is busy, so this one queues
-    b: dict = {}
-    tb = _stream_in_thread(srv.url, prefill_body, "wait-1", b)
-    _wait_for(lambda: srv.gauge("num_requests_waiting") == 1)
+    b = _stream(srv.url, prefill_body, "wait-1")
+    wait_until(lambda: srv.gauge("num_requests_waiting") == 1, what="a waiting request")
     rb = post(srv, "/v1/requests/wait-1/cancel")
     assert rb.status_code == 200, rb.text
     sb = rb.json()
@@ -396,19 +323,18 @@ def test_cancel_in_waiting_prefilling_and_decoding_states(small_server):
     sa = ra.json()
     assert sa["status"] == "aborted" and sa["state_when_cancelled"] == "decoding" and sa["completion_tokens"] > 0
     assert sa["blocks_freed"] >= 1
-    ta.join(30)
-    tb.join(30)
-    assert _finish_reason(a) == "abort" and _finish_reason(b) == "abort"
-    assert a["events"][-1][1] == "[DONE]"
+    a.join(30)
+    b.join(30)
+    assert a.finish_reasons == b.finish_reasons == ["abort"]
+    assert a.events[-1][1] == "[DONE]"
 
     # prefilling: a long prompt in 16-token chunks takes many steps
-    c: dict = {}
-    tc = _stream_in_thread(srv.url, prefill_body, "pre-1", c)
-    _wait_for(lambda: _running(srv) == 1)
+    c = _stream(srv.url, prefill_body, "pre-1")
+    wait_until(lambda: _running(srv) == 1, what="a running request")
     rc = post(srv, "/v1/requests/pre-1/cancel").json()
     assert rc["state_when_cancelled"] == "prefilling" and rc["completion_tokens"] == 0 and rc["blocks_freed"] >= 1
-    tc.join(30)
-    assert _finish_reason(c) == "abort"
+    c.join(30)
+    assert c.finish_reasons == ["abort"]
 
     # idempotent: cancelling again reports the same final state
     again = post(srv, "/v1/requests/pre-1/cancel").json()
@@ -454,14 +380,13 @@ def test_full_queue_sheds_load_with_503_and_retry_after(small_server):
     srv = small_server
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 200, "temperature": 0,
             "stream": True, "ignore_eos": True}
-    sinks = [{}, {}]
-    threads = [_stream_in_thread(srv.url, body, f"q-{i}", s) for i, s in enumerate(sinks)]
-    _wait_for(lambda: srv.gauge("num_requests_waiting") >= 1)
+    streams = [_stream(srv.url, body, f"q-{i}") for i in range(2)]
+    wait_until(lambda: srv.gauge("num_requests_waiting") >= 1, what="a waiting request")
     r = post(srv, "/v1/chat/completions", body)
     err = assert_error(r, 503)
     assert r.headers["retry-after"] and err["code"] == "queue_full"
     for i in range(2):
         post(srv, f"/v1/requests/q-{i}/cancel")
-    for t in threads:
-        t.join(30)
+    for st in streams:
+        st.join(30)
     srv.wait_idle()

@@ -7,17 +7,17 @@ and an outage of a Redis server this test starts and kills itself.
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
-import threading
 import time
 
 import httpx
 import pytest
 import redis
 
-from .server_utils import ServerProcess, free_port, start_server
+from .helpers.errors import assert_error
+from .helpers.net import wait_until
+from .helpers.redis_server import REDIS_SERVER, RedisProcess
+from .helpers.server import ServerProcess, start_server
+from .helpers.streams import stream_in_thread
 
 pytestmark = pytest.mark.timeout(300)
 REDIS_DB = 7  # this module's own database on the shared Redis
@@ -82,13 +82,6 @@ def stream_turn(api: httpx.Client, sid: str, content: str, **extra) -> list[dict
                 data = line[5:].strip()
                 out.append(data if data == "[DONE]" else json.loads(data))
     return out
-
-
-def assert_error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    return err
 
 
 # ---- contract (both stores) ---------------------------------------------------------------------
@@ -160,39 +153,19 @@ def test_bad_requests(api):
     assert api.get(f"/v1/sessions/{s['id']}").json()["num_turns"] == 0
 
 
-def _start_stream(url: str, sid: str, body: dict, rid: str, sink: dict) -> threading.Thread:
-    def run():
-        with httpx.stream("POST", f"{url}/v1/sessions/{sid}/messages", json=body, headers={"X-Request-Id": rid},
-                          timeout=120) as r:
-            sink["status"] = r.status_code
-            sink["lines"] = [line for line in r.iter_lines() if line.startswith("data:")]
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-def _wait(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
 def test_concurrent_turn_is_409_and_cancelled_turn_is_kept(api, server):
     s = new_session(api)
     sid = s["id"]
-    sink: dict = {}
-    t = _start_stream(server.url, sid, {"content": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
-                                         "temperature": 0}, f"turn-{sid}", sink)
-    _wait(lambda: server.gauge("num_requests_running") == 1)
+    body = {"content": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    stream = stream_in_thread(server.url, f"/v1/sessions/{sid}/messages", body, headers={"X-Request-Id": f"turn-{sid}"})
+    wait_until(lambda: server.gauge("num_requests_running") == 1, what="the turn to run")
     err = assert_error(turn(api, sid, "interrupting"), 409)
     assert "turn" in err["message"]
     time.sleep(0.4)
     state = api.post(f"/v1/requests/turn-{sid}/cancel").json()
     assert state["status"] == "aborted" and state["completion_tokens"] > 0
-    t.join(30)
-    assert sink["status"] == 200 and sink["lines"][-1] == "data: [DONE]"
+    stream.join(30)
+    assert stream.status == 200 and stream.data[-1] == "[DONE]"
     got = api.get(f"/v1/sessions/{sid}").json()
     assert got["num_turns"] == 1
     partial = got["messages"][1]
@@ -216,7 +189,7 @@ def test_disconnected_turn_is_stored_as_abort(api, server):
             n += line.startswith("data:")
             if n >= 6:
                 break
-    _wait(lambda: api.get(f"/v1/sessions/{sid}").json()["num_turns"] == 1, timeout=10)
+    wait_until(lambda: api.get(f"/v1/sessions/{sid}").json()["num_turns"] == 1, 10, "the aborted turn to be stored")
     msg = api.get(f"/v1/sessions/{sid}").json()["messages"][1]
     assert msg["finish_reason"] == "abort"
     server.wait_idle()
@@ -248,47 +221,37 @@ def test_session_survives_a_server_restart_and_delete_leaves_no_key(server):
         assert other.stop() == 0
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server binary not installed")
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server binary not installed")
 def test_redis_outage_gives_503_then_recovers():
-    port = free_port()
-
-    def start_redis() -> subprocess.Popen:
-        p = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        r = redis.Redis(host="127.0.0.1", port=port)
-        _wait(lambda: _pingable(r), timeout=10)
-        return p
-
-    rds = start_redis()
-    srv = start_server("--redis-url", f"redis://127.0.0.1:{port}/0", "--max-model-len", "2048")
+    rds = RedisProcess()
+    rds.start()
+    srv = start_server("--redis-url", rds.url, "--max-model-len", "2048")
     try:
         api = httpx.Client(base_url=srv.url, timeout=60)
         s = new_session_plain(api)
         assert turn(api, s["id"], "Hello!").status_code == 200
         # freeze Redis: timeouts, not refusals; the session endpoints answer 503 quickly
-        rds.send_signal(signal.SIGSTOP)
+        rds.freeze()
         t0 = time.monotonic()
         err = assert_error(turn(api, s["id"], "Are you there?"), 503)
         assert time.monotonic() - t0 < 10 and "unavailable" in err["message"]
         assert_error(api.get("/v1/sessions"), 503)
         chat = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert chat.status_code == 200  # the stateless API does not depend on Redis
-        rds.send_signal(signal.SIGCONT)
+        rds.thaw()
         # nothing half-written: the failed turn left the session as it was
         got = api.get(f"/v1/sessions/{s['id']}").json()
         assert got["num_turns"] == 1 and len(got["messages"]) == 2
         # kill it outright: 503 again, then a restart heals without restarting chatserve
         rds.kill()
-        rds.wait(10)
         assert_error(api.post("/v1/sessions", json={}), 503)
-        rds = start_redis()
+        rds.start()  # the same port: chatserve reconnects
         s2 = new_session_plain(api)
         assert turn(api, s2["id"], "Back again?").status_code == 200
         assert srv.gauge("num_requests_running") == 0
     finally:
         srv.stop()
         rds.kill()
-        rds.wait(10)
 
 
 def new_session_plain(api: httpx.Client) -> dict:
@@ -296,9 +259,3 @@ def new_session_plain(api: httpx.Client) -> dict:
     assert r.status_code == 201, r.text
     return r.json()
 
-
-def _pingable(r: redis.Redis) -> bool:
-    try:
-        return bool(r.ping())
-    except redis.RedisError:
-        return False

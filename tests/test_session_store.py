@@ -12,10 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -35,9 +31,9 @@ from chatserve.sessions import (
     make_session_store,
 )
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+from .helpers.redis_server import REDIS_SERVER, RedisProcess, redis_answers
 
-REDIS_SERVER = shutil.which("redis-server")
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
 @pytest.fixture
@@ -48,67 +44,16 @@ def anyio_backend() -> str:
 # --- Redis servers -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _answers(url: str) -> bool:
-    try:
-        with redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
-            return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-class RedisProcess:
-    """A throwaway redis-server (no persistence) that tests can kill, freeze and restart."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert REDIS_SERVER is not None
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while not _answers(self.url):
-            assert self.proc.poll() is None, "redis-server exited at startup"
-            assert time.monotonic() < deadline, "redis-server did not answer within 10 s"
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # in case a test froze it
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def freeze(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """A Redis to test against: the running one if it answers, else one of our own."""
     url = os.environ.get("CHATSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if _answers(url):
+    if redis_answers(url):
         yield url
         return
     if REDIS_SERVER is None:
         pytest.skip(f"no Redis answers at {url} and redis-server is not installed")
-    server = RedisProcess(_free_port())
+    server = RedisProcess()
     server.start()
     try:
         yield server.url
@@ -120,7 +65,7 @@ def redis_url() -> Iterator[str]:
 def own_redis() -> Iterator[RedisProcess]:
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not installed")
-    server = RedisProcess(_free_port())
+    server = RedisProcess()
     server.start()
     try:
         yield server

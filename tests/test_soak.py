@@ -18,17 +18,16 @@ import collections
 import json
 import os
 import random
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import psutil
 import pytest
-import redis
 
-from .server_utils import free_port, start_server
+from .helpers.errors import check_error_body
+from .helpers.redis_server import REDIS_SERVER, RedisProcess
+from .helpers.server import start_server
 
 SOAK_SECONDS = float(os.environ.get("CHATSERVE_SOAK_SECONDS", "50"))
 NUM_CLIENTS = int(os.environ.get("CHATSERVE_SOAK_CLIENTS", "32"))
@@ -36,7 +35,7 @@ REQUEST_TIMEOUT = 180.0  # a request slower than this counts as a hang (the mach
 SHARED_PREFIX = " ".join(f"Policy {i}: be concise, accurate and kind about subject {i}." for i in range(24))
 
 pytestmark = [pytest.mark.timeout(int(SOAK_SECONDS) + 300),
-              pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]
+              pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server")]
 
 
 @dataclass
@@ -56,8 +55,7 @@ class Tally:
             return True
         await r.aread()
         try:
-            err = r.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            check_error_body(r.json())
         except Exception:  # noqa: BLE001
             self.problems.append(f"{action}: {status} without OpenAI error shape: {r.text[:200]}")
             return False
@@ -66,31 +64,6 @@ class Tally:
         elif status >= 500 and status != 503:
             self.problems.append(f"{action}: {status}: {r.text[:300]}")
         return False
-
-
-class RedisServer:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        r = redis.Redis(host="127.0.0.1", port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                r.ping()
-                return
-            except redis.RedisError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
 
 
 def _chat_body(rng: random.Random, stream: bool) -> dict:
@@ -217,9 +190,9 @@ async def _client(i: int, url: str, deadline: float, tally: Tally, phase: dict) 
 
 
 def test_soak_mixed_load_with_redis_outage():
-    rds = RedisServer()
+    rds = RedisProcess()
     rds.start()
-    srv = start_server("--redis-url", f"redis://127.0.0.1:{rds.port}/0", "--num-kv-blocks", "64", "--max-model-len", "1024",
+    srv = start_server("--redis-url", rds.url, "--num-kv-blocks", "64", "--max-model-len", "1024",
                        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-queue-len", "12",
                        "--sse-keepalive-s", "1")
     tally = Tally()

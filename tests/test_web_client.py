@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers.net import wait_until
+from .helpers.server import ROOT, start_server
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 ARTIFACTS = Path(os.environ.get("CHATSERVE_TEST_ARTIFACTS", ROOT / "tests" / "artifacts"))
@@ -71,12 +70,6 @@ window.__sampler = setInterval(() => {
 # Server and browser
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as res:
@@ -103,41 +96,12 @@ def base_url() -> Any:
         yield external.rstrip("/") + "/"
         return
 
-    port = _free_port()
-    log_path = ARTIFACTS / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "chatserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "8"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
+    server = start_server("--max-num-seqs", "8", startup_timeout=SERVER_START_TIMEOUT,
+                          log_path=ARTIFACTS / "server.log")
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{_tail(log_path)}")
-            try:
-                if _get(url + "health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {SERVER_START_TIMEOUT:.0f} s:\n{_tail(log_path)}")
-            time.sleep(0.25)
-        yield url
+        yield server.url + "/"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return "(no log)"
+        server.stop(timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +150,7 @@ def page(driver: Any, base_url: str, request: pytest.FixtureRequest) -> Any:
                 json.dumps({"systemPrompt": "", "temperature": "", "maxTokens": "", "apiKey": "", **settings}),
             )
         driver.get(base_url + hash_)
-        wait_for(lambda: driver.execute_script("return document.documentElement.dataset.ready === '1'"), 10, "page ready")
+        wait_until(lambda: driver.execute_script("return document.documentElement.dataset.ready === '1'"), 10, "page ready")
         return driver
 
     yield load
@@ -197,17 +161,6 @@ def shot(driver: Any, name: str) -> Path:
     path = ARTIFACTS / f"web-{name}.png"
     driver.save_screenshot(str(path))
     return path
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def by_testid(driver: Any, testid: str) -> list[WebElement]:
@@ -237,7 +190,7 @@ def type_and_send(driver: Any, text: str, *, with_enter: bool = True) -> None:
 
 
 def wait_reply_done(driver: Any, timeout: float = 120) -> WebElement:
-    wait_for(lambda: not driver.execute_script(
+    wait_until(lambda: not driver.execute_script(
         "return document.querySelector('[data-testid=\"assistant-message\"].streaming') !== null"
     ) and one(driver, "stop-button").get_attribute("hidden") is not None, timeout, "the reply to finish")
     return by_testid(driver, "assistant-message")[-1]
@@ -269,7 +222,7 @@ def set_in_settings_panel(driver: Any, **fields: str) -> None:
         field.clear()
         field.send_keys(value)
     one(driver, "settings-save").click()
-    wait_for(lambda: not driver.execute_script("return document.getElementById('settings').open"), 5, "settings to close")
+    wait_until(lambda: not driver.execute_script("return document.getElementById('settings').open"), 5, "settings to close")
     saved = json.loads(driver.execute_script("return localStorage.getItem('chatserve.settings.v1')"))
     if "max_tokens" in fields:
         assert saved["maxTokens"] == fields["max_tokens"], saved
@@ -332,10 +285,10 @@ def test_reply_streams_in_steps_then_shows_stats(page: Any) -> None:
     driver.execute_script(LENGTH_SAMPLER)
     message = "Write three short sentences about the sea."
     type_and_send(driver, message, with_enter=False)
-    wait_for(lambda: one(driver, "stop-button").is_displayed(), 10, "the Stop button while streaming")
+    wait_until(lambda: one(driver, "stop-button").is_displayed(), 10, "the Stop button while streaming")
     assert not one(driver, "message-input").is_enabled()
     reply = wait_reply_done(driver)
-    stats = wait_for(lambda: reply.find_elements(By.CSS_SELECTOR, '[data-testid="reply-stats"]'), 5, "reply stats")
+    stats = wait_until(lambda: reply.find_elements(By.CSS_SELECTOR, '[data-testid="reply-stats"]'), 5, "reply stats")
     driver.execute_script("clearInterval(window.__sampler)")
     shot(driver, "streamed-reply")
 
@@ -361,14 +314,14 @@ def test_stop_mid_stream(page: Any, base_url: str) -> None:
     driver = page()
     set_in_settings_panel(driver, temperature="0", max_tokens="400")
     type_and_send(driver, "Tell me a long story about a lighthouse keeper and a storm.")
-    wait_for(lambda: len(last_reply_text(driver) or "") >= 15, 60, "the first tokens of the reply")
+    wait_until(lambda: len(last_reply_text(driver) or "") >= 15, 60, "the first tokens of the reply")
     stop = one(driver, "stop-button")
     assert stop.is_displayed()
     shot(driver, "before-stop")
     t0 = time.monotonic()
     stop.click()
 
-    reply = wait_for(
+    reply = wait_until(
         lambda: driver.execute_script(
             "const r = document.querySelectorAll('[data-testid=\"assistant-message\"]');"
             "const last = r[r.length - 1];"
@@ -387,7 +340,7 @@ def test_stop_mid_stream(page: Any, base_url: str) -> None:
     assert last_reply_text(driver) == partial, "text kept arriving after Stop"
     shot(driver, "stopped")
 
-    wait_for(lambda: num_requests_running(base_url) == 0, 5, "chatserve:num_requests_running to return to 0")
+    wait_until(lambda: num_requests_running(base_url) == 0, 5, "chatserve:num_requests_running to return to 0")
     # The server kept the partial reply, marked as aborted.
     sid = session_id_from_url(driver)
     status, session = _request("GET", base_url + f"v1/sessions/{sid}")
@@ -407,15 +360,15 @@ def test_reload_finds_session_with_history(page: Any, driver: Any, base_url: str
     sid = session_id_from_url(driver)
 
     driver.get(base_url)  # a reload, on the bare URL: nothing is open until the sidebar is used
-    wait_for(lambda: driver.execute_script("return document.documentElement.dataset.ready === '1'"), 10, "page ready")
-    item = wait_for(
+    wait_until(lambda: driver.execute_script("return document.documentElement.dataset.ready === '1'"), 10, "page ready")
+    item = wait_until(
         lambda: [e for e in by_testid(driver, "session-item") if e.get_attribute("data-session-id") == sid],
         10,
         "the session in the sidebar",
     )[0]
     assert by_testid(driver, "user-message") == []
     item.click()
-    wait_for(lambda: [e.text for e in by_testid(driver, "user-message")] == [message], 10, "the history to show")
+    wait_until(lambda: [e.text for e in by_testid(driver, "user-message")] == [message], 10, "the history to show")
     assert last_reply_text(driver) == reply
     assert session_id_from_url(driver) == sid
     assert item.get_attribute("aria-current") == "page"
@@ -440,7 +393,7 @@ def test_html_in_messages_renders_as_text(page: Any, driver: Any, base_url: str)
     # The same through the history path (a fresh load of the session).
     sid = session_id_from_url(driver)
     page(f"#session={sid}")
-    wait_for(lambda: by_testid(driver, "user-message"), 10, "the history")
+    wait_until(lambda: by_testid(driver, "user-message"), 10, "the history")
     time.sleep(0.3)
     check()
     assert payload in driver.find_element(By.ID, "sidebar").text  # the title, literally
@@ -450,11 +403,11 @@ def test_server_error_is_shown_in_conversation(page: Any, driver: Any, base_url:
     status, session = _request("POST", base_url + "v1/sessions", {"metadata": {"title": "soon deleted"}})
     assert status == 201, session
     page(f"#session={session['id']}")
-    wait_for(lambda: "soon deleted" in driver.find_element(By.ID, "chat-title").text, 10, "the session to open")
+    wait_until(lambda: "soon deleted" in driver.find_element(By.ID, "chat-title").text, 10, "the session to open")
     status, _ = _request("DELETE", base_url + f"v1/sessions/{session['id']}")
     assert status == 200
     type_and_send(driver, "Hello?")
-    error = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#messages .msg-error"), 10, "an error message")
+    error = wait_until(lambda: driver.find_elements(By.CSS_SELECTOR, "#messages .msg-error"), 10, "an error message")
     assert error[0].text.strip()
     assert one(driver, "message-input").is_enabled()
     assert one(driver, "stop-button").get_attribute("hidden") is not None
@@ -463,9 +416,9 @@ def test_server_error_is_shown_in_conversation(page: Any, driver: Any, base_url:
 def test_screenshots_dark_and_narrow(page: Any, driver: Any) -> None:
     """Not a check of looks, just pictures for people: dark scheme, and a phone-sized window."""
     page()
-    item = wait_for(lambda: by_testid(driver, "session-item"), 10, "a session in the sidebar")
+    item = wait_until(lambda: by_testid(driver, "session-item"), 10, "a session in the sidebar")
     item[0].click()
-    wait_for(lambda: by_testid(driver, "assistant-message"), 10, "history")
+    wait_until(lambda: by_testid(driver, "assistant-message"), 10, "history")
     driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
     shot(driver, "dark")
     size = driver.get_window_size()

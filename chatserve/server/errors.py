@@ -1,10 +1,23 @@
-"""OpenAI's error shape for every failure, so clients' error handling works unchanged."""
+"""OpenAI's error shape for every failure, so clients' error handling works unchanged.
+
+Routes raise `APIError`; the handlers here turn it, the input processor's `PromptError` (a 400
+naming the field to fix), Starlette's 404/405 and any unexpected exception into
+`{"error": {"message", "type", "param", "code"}}` with the right status.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from chatserve.engine.input_processor import PromptError
+
+logger = logging.getLogger(__name__)
 
 # OpenAI's `type` for each status we return.
 _TYPES = {
@@ -52,3 +65,36 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def prompt_error(exc: PromptError) -> APIError:
+    """The input processor validated the prompt (once) and named the field; pass both on."""
+    return APIError(400, str(exc), param=exc.param, code=exc.code)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _prompt_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, PromptError)
+    return prompt_error(exc).response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route for {request.method} {request.url.path}", 405: f"method {request.method} is not allowed on "
+               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(error_body(500, "internal server error; the server logged the details", code="internal_error"),
+                        status_code=500)
+
+
+def exception_handlers() -> dict[Any, Callable[[Request, Exception], Awaitable[Response]]]:
+    """Starlette's `exception_handlers`: every failure leaves in OpenAI's shape."""
+    return {APIError: _api_error, PromptError: _prompt_error, HTTPException: _http_error, Exception: _internal_error}

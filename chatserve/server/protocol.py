@@ -1,17 +1,24 @@
-"""Request bodies of the OpenAI-compatible API, validated by pydantic before any work is done.
+"""Request bodies of the OpenAI-compatible API and the session API, validated by pydantic before any work is done.
 
 Strict types (no "0.5" for a float, no 1.0 for an int, no NaN or Infinity), ranges as OpenAI
 documents them, and vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) so the
-clients written for either keep working. Unknown fields are ignored, as OpenAI-compatible servers
-commonly do, except features we do not implement (tools, logit_bias, ...), which are refused
-with a 400 rather than silently dropped.
+clients written for either keep working. Three rules hold for every body and every nested object:
+
+- JSON `null` for an optional field means its default (clients forward unset settings as None).
+- A field that OpenAI or vLLM defines and that would change the reply (tools, constrained
+  decoding, logit_bias, ...) is refused with a 400 naming it (`REFUSED_*` below) unless it has
+  its neutral value: never silently served without it.
+- Any other unknown field is ignored, as OpenAI-compatible servers commonly do; README.md lists
+  the known ones that are ignored on purpose.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -25,23 +32,153 @@ PositiveInt = Annotated[int, Field(ge=1)]
 TopK = Annotated[int, Field(ge=-1, le=2**31 - 1)]
 
 
-class _Strict(BaseModel):
+def field_error(field: str, message: str, kind: str = "field_error") -> PydanticCustomError:
+    """A validation error that names `field` (relative to the object being validated) as the 400's param.
+
+    `kind` other than "field_error" becomes the 400's `code` too (e.g. "unsupported_field")."""
+    return PydanticCustomError(kind, message, {"field": field})
+
+
+# ---- refused fields: (is the value neutral?, what is not supported) ---------------------------------
+Refusal = tuple[Callable[[Any], bool], str]
+
+
+def _unset(v: Any) -> bool:
+    return v is False or v == [] or v == {}
+
+
+def _one_of(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda v: _unset(v) or any(v == x and type(v) is type(x) for x in neutral)
+
+
+def _all_unset(v: Any) -> bool:
+    return _unset(v) or (isinstance(v, dict) and all(x is None or _unset(x) for x in v.values()))
+
+
+_CONSTRAINED = "constrained decoding (structured outputs, guided decoding)"
+_TOOLS = "tools and function calling"
+REFUSED_SAMPLING: Mapping[str, Refusal] = {
+    # vLLM's constrained decoding, old and new spellings
+    "structured_outputs": (_all_unset, _CONSTRAINED),
+    "guided_json": (_unset, _CONSTRAINED),
+    "guided_regex": (_unset, _CONSTRAINED),
+    "guided_choice": (_unset, _CONSTRAINED),
+    "guided_grammar": (_unset, _CONSTRAINED),
+    "guided_decoding_backend": (_unset, _CONSTRAINED),
+    "guided_whitespace_pattern": (_unset, _CONSTRAINED),
+    "structural_tag": (_unset, _CONSTRAINED),
+    "response_format": (_one_of({"type": "text"}), 'response_format other than {"type": "text"} ' f"({_CONSTRAINED})"),
+    # other ways to change which tokens come out
+    "logit_bias": (_unset, "logit_bias"),
+    "logits_processors": (_unset, "logits_processors"),
+    "allowed_token_ids": (_unset, "allowed_token_ids"),
+    "bad_words": (_unset, "bad_words"),
+    "use_beam_search": (_unset, "beam search"),
+    "length_penalty": (_one_of(1, 1.0), "length_penalty (beam search)"),
+    "prompt_logprobs": (_unset, "prompt_logprobs"),
+    "truncate_prompt_tokens": (_unset, "truncate_prompt_tokens"),
+    "return_tokens_as_token_ids": (_unset, "return_tokens_as_token_ids"),
+}
+REFUSED_CHAT: Mapping[str, Refusal] = {
+    "tools": (_unset, _TOOLS),
+    "functions": (_unset, _TOOLS),
+    "tool_choice": (_one_of("none", "auto"), _TOOLS),
+    "function_call": (_one_of("none", "auto"), _TOOLS),
+    "continue_final_message": (_unset, "continue_final_message"),
+    "chat_template": (_unset, "a chat template sent with the request"),
+    "documents": (_unset, "documents for the chat template"),
+    "echo": (_unset, "echo in chat completions"),
+    "add_special_tokens": (_unset, "add_special_tokens in chat completions"),
+    "best_of": (_one_of(1), "best_of in chat completions"),
+    "audio": (_unset, "audio output"),
+    "modalities": (_one_of(["text"]), 'modalities other than ["text"]'),
+    "web_search_options": (_unset, "web search"),
+    "reasoning_effort": (_unset, "reasoning_effort (this model does not reason)"),
+    "verbosity": (_unset, "verbosity"),
+}
+REFUSED_MESSAGE: Mapping[str, Refusal] = {
+    "tool_calls": (_unset, _TOOLS),
+    "function_call": (_unset, _TOOLS),
+    "audio": (_unset, "audio in messages"),
+}
+# Chat-template options of a session turn (the session's own template renders it).
+REFUSED_SESSION: Mapping[str, Refusal] = {
+    "chat_template_kwargs": (_unset, "chat_template_kwargs in a session turn"),
+    **{k: REFUSED_CHAT[k] for k in ("tools", "tool_choice", "continue_final_message", "chat_template")},
+}
+# Keys of chat_template_kwargs that would override how the server itself renders the prompt.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "param",
+})
+
+
+class StrictModel(BaseModel):
+    """Strict types, no NaN or Infinity, null meaning the default, refused fields refused: the base of every body."""
+
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    refused: ClassVar[Mapping[str, Refusal]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, (neutral, what) in cls.refused.items():
+            if data.get(name) is not None and not neutral(data[name]):
+                raise field_error(name, f"this server does not support {what}; leave {name} out or send null",
+                                  "unsupported_field")
+        return {k: v for k, v in data.items() if v is not None}
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+_NON_TEXT_PARTS = {
+    "image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio", "audio": "audio",
+    "file": "file", "input_file": "file", "video_url": "video", "video": "video",
+}
+
+
+class ChatMessage(StrictModel):
+    refused: ClassVar[Mapping[str, Refusal]] = REFUSED_MESSAGE
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A non-text part is refused by name, not as a dump of every union member it failed."""
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise field_error(str(i), 'a content part of type "text" needs "text": a string')
+            if not isinstance(kind, str):
+                raise field_error(str(i), 'each content part must be an object with a "type" (only "text" is supported)')
+            if kind != "text":
+                medium = _NON_TEXT_PARTS.get(kind)
+                what = f"{medium} input is" if medium else "content parts other than text are"
+                # NOTE: pydantic fills {name} from the context; the client's `kind` only goes in that way.
+                raise PydanticCustomError(
+                    "unsupported_content",
+                    "content part of type '{kind}': " + what + " not supported by this model, which reads "
+                    "text only; send the message as text",
+                    {"field": str(i), "kind": kind[:40]},
+                )
+        return content
 
     def text(self) -> str:
         if self.content is None:
@@ -51,8 +188,10 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by chat and text completions."""
+class SamplingFields(StrictModel):
+    """Fields shared by chat and text completions (and a session turn)."""
+
+    refused: ClassVar[Mapping[str, Refusal]] = REFUSED_SAMPLING
 
     model: str | None = None
     temperature: Temperature | None = None
@@ -66,7 +205,6 @@ class _SamplingFields(_Strict):
     frequency_penalty: Penalty | None = None
     seed: Seed | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
     # vLLM extensions
     top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -78,11 +216,9 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> _SamplingFields:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+    def _consistent(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise field_error("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     def stop_list(self) -> list[str]:
@@ -91,27 +227,30 @@ class _SamplingFields(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
+    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_CHAT}
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # Passed to the chat template as variables (e.g. Qwen3's enable_thinking), as vLLM does.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+                raise ValueError(f"{key!r} cannot be set through chat_template_kwargs (use the request's own "
+                                 f"fields; template variables must be identifiers)")
+        return kwargs
 
     @model_validator(mode="after")
-    def _refuse_unsupported_chat(self) -> ChatCompletionRequest:
-        if self.tools or self.functions:
-            raise ValueError("tools and function calling are not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {\"type\": \"text\"} is not supported by this server")
+    def _consistent_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     def effective_max_tokens(self) -> int | None:
@@ -126,20 +265,19 @@ PromptInput = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[i
 ]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
+    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, "suffix": (lambda v: v == "", "suffix (insertion)")}
+
     prompt: PromptInput
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    suffix: str | None = None
     best_of: PositiveInt | None = None
-    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
+    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions (also when sent as null)
 
     @model_validator(mode="after")
-    def _refuse_unsupported_completion(self) -> CompletionRequest:
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
+    def _consistent_completion(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of different from n is not supported by this server")
+            raise field_error("best_of", "best_of different from n is not supported by this server")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -150,3 +288,35 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+# ---- the session API ------------------------------------------------------------------------------
+class SessionDefaults(StrictModel):
+    """Sampling defaults stored with a session; each turn's own fields override them."""
+
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    max_tokens: PositiveInt | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+
+
+class CreateSessionRequest(StrictModel):
+    system_prompt: Annotated[str, Field(max_length=200_000)] | None = None
+    metadata: dict[str, Any] | None = None
+    ttl_seconds: Annotated[int, Field(ge=1, le=365 * 24 * 3600)] | None = None
+    defaults: SessionDefaults | None = None
+
+
+class SessionMessageRequest(SamplingFields):
+    """One user turn; a session turn streams by default (it is a chat UI's main call)."""
+
+    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_SESSION}
+
+    content: Annotated[str, Field(min_length=1)]
+    stream: bool = True
+    logprobs: bool = False

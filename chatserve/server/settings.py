@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -10,25 +10,29 @@ class ServerSettings:
     """Everything `create_app` needs besides the engine and the session store.
 
     The limits bound what one request may ask for, so a single client cannot make the server
-    allocate without bound (see docs in README "Limits").
+    allocate without bound (see docs in README "Limits"). Each field's default and
+    `metadata["help"]` are the only copies: `chatserve serve` generates a flag per field from them.
     """
 
-    api_key: str | None = None
-    served_model_name: str | None = None  # None: the engine's model name
-    sse_keepalive_s: float = 15.0
-    max_body_bytes: int = 2 * 1024 * 1024
-    max_n: int = 16
-    max_stop_sequences: int = 16
-    max_stop_length: int = 256
-    max_messages: int = 1024
-    max_logprobs: int = 20
-    # Requests waiting beyond the engine's running slots; more than this and new ones get 503.
-    max_queue_len: int = 256
-    retry_after_s: int = 1
-    request_id_max_len: int = 128
-    # Finished requests whose final state the cancel endpoint still reports (idempotent cancels).
-    finished_request_history: int = 4096
-    serve_web: bool = True
+    api_key: str | None = field(default=None, metadata={
+        "help": "require `Authorization: Bearer KEY` on /v1/* (default: none)", "secret": True})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name clients send and see (default: the engine's model name)"})
+    sse_keepalive_s: float = field(default=15.0, metadata={
+        "help": "seconds between SSE keepalive comments on every stream (queued, prefilling or decoding)"})
+    max_body_bytes: int = field(default=2 * 1024 * 1024, metadata={"help": "largest request body in bytes (413 beyond)"})
+    max_n: int = field(default=16, metadata={"help": "most choices per request (completions: prompts x n)"})
+    max_stop_sequences: int = field(default=16, metadata={"help": "most stop sequences per request"})
+    max_stop_length: int = field(default=256, metadata={"help": "longest stop sequence in characters"})
+    max_messages: int = field(default=1024, metadata={"help": "most messages in one chat request"})
+    max_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs / logprobs a request may ask for"})
+    max_queue_len: int = field(default=256, metadata={
+        "help": "requests waiting beyond the engine's running slots; more than this and new ones get 503"})
+    retry_after_s: int = field(default=1, metadata={"help": "the Retry-After header of a 503 for a full queue"})
+    request_id_max_len: int = field(default=128, metadata={"help": "longest X-Request-Id accepted"})
+    finished_request_history: int = field(default=4096, metadata={
+        "help": "finished requests whose final state the cancel endpoint still reports (idempotent cancels)"})
+    serve_web: bool = field(default=True, metadata={"help": "serve the browser client at /", "aliases": ("--web",)})
 
     def __post_init__(self) -> None:
         if self.sse_keepalive_s <= 0:

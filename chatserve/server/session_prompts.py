@@ -11,16 +11,17 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from chatserve.llm import apply_chat_template
+from chatserve.engine.input_processor import InputProcessor
 
 _SENTINEL = "\x1fCHATSERVE_SENTINEL\x1f"
 
 
-def first_turn_ids(tokenizer: Any, system_prompt: str | None, content: str) -> list[int]:
+def first_turn_ids(input_processor: InputProcessor, system_prompt: str | None, content: str) -> list[int]:
+    """No history yet: the whole conversation through the template (PromptError names `content`)."""
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": content}
     ]
-    return apply_chat_template(tokenizer, messages, add_generation_prompt=True)
+    return input_processor.render_chat(messages, add_generation_prompt=True, param="content")
 
 
 def next_turn_ids(tokenizer: Any, history: list[int], content: str, eos_token_ids: Collection[int]) -> list[int]:

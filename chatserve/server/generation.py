@@ -4,133 +4,24 @@
 request per prompt (each with `n` choices), merges their delta outputs into one stream of
 `ChoiceDelta`s, and settles each engine request exactly once when it ends, whether it finished,
 was cancelled through the endpoint, or lost its client: metrics observed, tracker updated, and
-the abort reason recorded. Nothing here formats JSON; the routes do.
+the abort reason recorded. Nothing here formats JSON (`chunks` does) or writes to the client
+(`streaming` does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator
 
-from chatserve.engine.async_engine import AsyncLLMEngine, RequestMetrics
+from chatserve.engine.async_engine import RequestMetrics
+from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.outputs import CompletionOutput, RequestOutput
 from chatserve.sampling_params import SamplingParams
-
+from chatserve.server.choices import ChoiceDelta, Usage
+from chatserve.server.context import ServerContext
 from chatserve.server.errors import APIError, bad_request
-from chatserve.server.metrics import ServerMetrics
-from chatserve.server.settings import ServerSettings
-from chatserve.server.tracker import RequestTracker, TrackedRequest
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerContext:
-    """Everything a route needs; lives on `app.state.ctx` (no module globals)."""
-
-    engine: AsyncLLMEngine
-    sessions: Any  # chatserve.sessions.SessionStore | None
-    settings: ServerSettings
-    metrics: ServerMetrics
-    tracker: RequestTracker
-    model_name: str
-    background: set[asyncio.Task] = field(default_factory=set)
-    accepting: bool = True  # False once shutdown began
-    started_at: int = field(default_factory=lambda: int(time.time()))
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        """A task that outlives the request that started it (e.g. settling after a disconnect)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
-
-    async def drain(self, grace_s: float) -> None:
-        """Shutdown: refuse new work, let running requests finish for up to grace_s, then abort the
-        rest (their streams end with finish_reason "abort" and [DONE]; session turns are stored)."""
-        self.accepting = False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self.tracker.live and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        live = [rec.owner for rec in list(self.tracker.live.values()) if rec.owner is not None]
-        if live:
-            logger.warning("shutdown: aborting %d request(s) still running after %.1fs", len(live), grace_s)
-            await asyncio.gather(*(gen.cancel("engine") for gen in live), return_exceptions=True)
-        # Let the streams write their final events and the session turns land.
-        deadline = loop.time() + 5.0
-        while (self.tracker.live or self.background) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    def check_capacity(self) -> None:
-        """Shed load with 503 + Retry-After once the waiting queue is full, instead of queueing forever."""
-        if not self.accepting:
-            raise APIError(503, "the server is shutting down; retry on another instance",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
-        if not self.engine.is_healthy():
-            raise APIError(503, "the engine has failed and must be restarted", code="engine_dead")
-        limit = self.engine.engine.args.max_num_seqs + self.settings.max_queue_len
-        if self.engine.num_live_requests >= limit:
-            raise APIError(
-                503,
-                f"the server is overloaded ({self.engine.num_live_requests} requests in flight, limit {limit}); retry later",
-                code="queue_full",
-                headers={"Retry-After": str(self.settings.retry_after_s)},
-            )
-
-    def check_context(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "messages") -> None:
-        """OpenAI's wording, with the numbers, for a prompt that cannot fit."""
-        limit = self.max_model_len
-        if num_prompt_tokens == 0:
-            raise bad_request("the prompt is empty", param=param)
-        if num_prompt_tokens >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room for a reply. Please shorten the prompt.",
-                param=param, code="context_length_exceeded",
-            )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
-                "the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded",
-            )
-
-
-@dataclass
-class ChoiceDelta:
-    """New output of one choice since the last delta."""
-
-    index: int  # choice index across all prompts: prompt_index * n + output index
-    text: str
-    token_ids: list[int]
-    logprobs: Any  # SampleLogprobs | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+from chatserve.server.tracker import TrackedRequest
 
 
 class Generation:
@@ -140,7 +31,7 @@ class Generation:
         self,
         ctx: ServerContext,
         request_id: str,
-        prompts: list[list[int]],
+        prompts: list[ProcessedPrompt],
         params: SamplingParams,
     ) -> None:
         self.ctx = ctx
@@ -156,16 +47,17 @@ class Generation:
         except KeyError:
             raise APIError(409, f"a request with id {request_id!r} is already running; use a unique X-Request-Id",
                            param="X-Request-Id", code="duplicate_request_id") from None
-        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+        self.usage = Usage(prompt_tokens=sum(p.num_tokens for p in prompts))
         self.first_output_time: float | None = None
         self._last_time: dict[str, float] = {}
         self._done: set[str] = set()
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._cached: dict[str, int] = {}
         try:
-            for eid, ids in zip(engine_ids, prompts):
-                self._streams.append(ctx.engine.generate({"prompt_token_ids": ids}, params.clone(), request_id=eid))
-        except ValueError as exc:
+            for eid, prompt in zip(engine_ids, prompts):
+                # A ProcessedPrompt is not validated again: the route's input_processor.process did it.
+                self._streams.append(ctx.engine.generate(prompt, params.clone(), request_id=eid))
+        except ValueError as exc:  # e.g. an engine id still live from an earlier request
             self._abandon()
             raise bad_request(str(exc), param="prompt") from None
         except Exception:
@@ -289,32 +181,3 @@ class Generation:
         if self.record.abort_reason is None:
             self.record.abort_reason = reason
         await asyncio.gather(*(self._settle_after_abort(eid) for eid in self.engine_ids if eid not in self._done))
-
-
-async def wait_for_disconnect(receive: Any) -> None:
-    """Returns when the client has gone (after the body was read, receive() only reports that)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def run_or_disconnect(coro: Coroutine[Any, Any, Any], receive: Any) -> tuple[bool, Any]:
-    """Run coro unless the client disconnects first. Returns (completed, result)."""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    if task in done:
-        watcher.cancel()
-        return True, task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
-        pass
-    return False, None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,13 +14,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from .net import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -83,9 +78,14 @@ class ServerProcess:
 
 
 def start_server(*extra_args: str, api_key: str | None = None, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0) -> ServerProcess:
+                 startup_timeout: float = 180.0, log_path: Path | None = None) -> ServerProcess:
+    """`python -m chatserve serve` with `extra_args`, once /health answers 200.
+
+    Its output goes to `log_path` (a temporary file by default), so a failure can show it.
+    The environment is offline and has no CHATSERVE_API_KEY: only `api_key` sets one.
+    """
     port = free_port()
-    log = Path(tempfile.mkstemp(prefix="chatserve-server-", suffix=".log")[1])
+    log = log_path or Path(tempfile.mkstemp(prefix="chatserve-server-", suffix=".log")[1])
     args = [sys.executable, "-m", "chatserve", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "warning", *extra_args]
     if api_key:

@@ -33,20 +33,30 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _describe(err: ValidationError) -> tuple[str, str | None]:
+# Error types raised by the request models themselves (protocol.py) that are also the 400's `code`.
+_CODED = {"unsupported_field", "unsupported_content"}
+
+
+def _describe(err: ValidationError) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of the first error; param is the field's path, e.g. "messages.0.content"."""
     first = err.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "__root__")
     kind = first.get("type", "")
+    ctx = first.get("ctx") or {}
+    parts = [str(p) for p in first.get("loc", ()) if p != "__root__"]
+    if "field" in ctx:  # our own errors name the field inside the object that raised them
+        parts.append(str(ctx["field"]))
+    loc = ".".join(parts)
     msg = first.get("msg", "invalid value")
     if kind == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
+        return f"the body is not valid JSON: {ctx.get('error', msg)}", None, None
     if kind == "model_type" and not loc:
-        return "the body must be a JSON object", None
+        return "the body must be a JSON object", None, None
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     more = len(err.errors()) - 1
     suffix = f" (and {more} more error{'s' if more > 1 else ''})" if more > 0 else ""
-    return (f"{loc}: {msg}{suffix}" if loc else f"{msg}{suffix}"), (loc or None)
+    code = kind if kind in _CODED else None
+    return (f"{loc}: {msg}{suffix}" if loc else f"{msg}{suffix}"), (loc or None), code
 
 
 def parse_model(model: type[M], body: bytes) -> M:
@@ -60,8 +70,8 @@ def parse_model(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(text)
     except ValidationError as exc:
-        message, param = _describe(exc)
-        raise bad_request(message, param=param) from None
+        message, param, code = _describe(exc)
+        raise bad_request(message, param=param, code=code) from None
     except (RecursionError, ValueError) as exc:
         raise bad_request(f"the body could not be parsed: {exc}") from None
 

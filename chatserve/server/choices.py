@@ -1,0 +1,77 @@
+"""What one HTTP request produced, per choice: the deltas as they arrive, their sum, the token counts.
+
+These are plain values between the engine side (`generation.Generation` makes `ChoiceDelta`s) and
+the wire side (`chunks` turns them into OpenAI objects), so neither needs to know the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice since the last delta."""
+
+    index: int  # choice index across all prompts: prompt_index * n + output index
+    text: str
+    token_ids: list[int]
+    logprobs: Any  # SampleLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Usage:
+    """OpenAI's `usage` object; `cached_tokens` is known once every engine request has ended."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    has_logprobs: bool = False
+
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+
+class Accumulator:
+    """Everything a request produced so far, per choice: the non-streaming body and the session turn."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.choices = [ChoiceState() for _ in range(num_choices)]
+
+    def add(self, d: ChoiceDelta) -> None:
+        c = self.choices[d.index]
+        if d.text:
+            c.text.append(d.text)
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            c.has_logprobs = True
+            c.logprobs.extend(d.logprobs)
+        if d.finish_reason:
+            c.finish_reason = d.finish_reason
+
+    def merged_delta(self, index: int) -> ChoiceDelta:
+        """One choice's whole output as a single delta (what the non-streaming body formats)."""
+        c = self.choices[index]
+        return ChoiceDelta(index, c.content, c.token_ids, c.logprobs if c.has_logprobs else None, c.finish_reason)

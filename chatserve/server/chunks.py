@@ -1,0 +1,174 @@
+"""OpenAI's response and chunk objects, built from `ChoiceDelta`s. Exactly their field names.
+
+Chat and text completions share one skeleton (`ReplyFormat`): the same envelope (`id`, `object`,
+`created`, `model`, `system_fingerprint`, `choices`, `usage`) around choices that differ only in
+shape. A subclass says what opens a stream, which choices one delta becomes, and what one choice
+of the whole reply looks like; `streaming` and the routes drive either one the same way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from chatserve.outputs import Logprob
+from chatserve.server.choices import Accumulator, ChoiceDelta, ChoiceState, Usage
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= n]
+    ranked.sort(key=lambda item: item[1].rank or 0)
+    return ranked[:n]
+
+
+def _token_text(lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""
+
+
+def chat_logprobs(delta: ChoiceDelta, top_n: int) -> dict[str, Any] | None:
+    """The chat shape: one entry per token, each with its bytes and its top alternatives."""
+    if delta.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(delta.token_ids, delta.logprobs):
+        chosen = entry[tid]
+        text = _token_text(chosen)
+        content.append({
+            "token": text,
+            "logprob": chosen.logprob,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": _token_text(lp), "logprob": lp.logprob, "bytes": list(_token_text(lp).encode("utf-8"))}
+                for _, lp in _top(entry, top_n)
+            ],
+        })
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(delta: ChoiceDelta, top_n: int, offset: int) -> dict[str, Any] | None:
+    """The legacy completions shape: parallel lists; text_offset counts from `offset`."""
+    if delta.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset
+    for tid, entry in zip(delta.token_ids, delta.logprobs):
+        chosen = entry[tid]
+        text = _token_text(chosen)
+        tokens.append(text)
+        token_lps.append(chosen.logprob)
+        tops.append({_token_text(lp): lp.logprob for _, lp in _top(entry, top_n)} if top_n else None)
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+# ---- the skeleton --------------------------------------------------------------------------------
+class ReplyFormat(ABC):
+    """The envelope shared by chat and completions; subclasses fill in the choices.
+
+    One instance per HTTP request (a completions stream keeps per-choice text offsets).
+    """
+
+    CHUNK_OBJECT: ClassVar[str]
+    REPLY_OBJECT: ClassVar[str]
+
+    def __init__(self, cid: str, created: int, model: str, top_logprobs: int) -> None:
+        self.cid = cid
+        self.created = created
+        self.model = model
+        self.top_logprobs = top_logprobs
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.cid, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage: Usage | None = None) -> dict[str, Any]:
+        """One streamed chunk. With include_usage every chunk has `usage` (null until the last one)."""
+        obj = self._envelope(self.CHUNK_OBJECT, choices)
+        if include_usage:
+            obj["usage"] = usage.as_dict() if usage is not None else None
+        return obj
+
+    def reply(self, acc: Accumulator, usage: Usage) -> dict[str, Any]:
+        """The non-streaming body: every choice whole, and the usage."""
+        obj = self._envelope(self.REPLY_OBJECT, [self.whole_choice(acc, i) for i in range(len(acc.choices))])
+        obj["usage"] = usage.as_dict()
+        return obj
+
+    @abstractmethod
+    def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
+        """Choices sent before any output (one chunk each)."""
+
+    @abstractmethod
+    def delta_choices(self, d: ChoiceDelta) -> list[dict[str, Any]]:
+        """The choices one delta becomes (one chunk each; none for a delta with nothing to show)."""
+
+    @abstractmethod
+    def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
+        """Choice `index` of the non-streaming body."""
+
+
+class ChatFormat(ReplyFormat):
+    """`chat.completion(.chunk)`: a role delta opens each choice; the finish reason is its own chunk."""
+
+    CHUNK_OBJECT = "chat.completion.chunk"
+    REPLY_OBJECT = "chat.completion"
+
+    def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(num_choices)]
+
+    def delta_choices(self, d: ChoiceDelta) -> list[dict[str, Any]]:
+        out = []
+        if d.text or (d.logprobs and d.token_ids):
+            out.append({"index": d.index, "delta": {"content": d.text},
+                        "logprobs": chat_logprobs(d, self.top_logprobs), "finish_reason": None})
+        if d.finish_reason:
+            out.append({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason})
+        return out
+
+    def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
+        c: ChoiceState = acc.choices[index]
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": c.content, "refusal": None},
+            "logprobs": chat_logprobs(acc.merged_delta(index), self.top_logprobs) if c.has_logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+
+
+class CompletionFormat(ReplyFormat):
+    """`text_completion`: an echoed prompt opens its choice; text and finish reason share a chunk.
+
+    `echo[i]` is the prompt text choice i repeats before its completion ("" without echo); the
+    logprobs' text offsets count from its end.
+    """
+
+    CHUNK_OBJECT = "text_completion"
+    REPLY_OBJECT = "text_completion"
+
+    def __init__(self, cid: str, created: int, model: str, top_logprobs: int, echo: list[str]) -> None:
+        super().__init__(cid, created, model, top_logprobs)
+        self.echo = echo
+        self._offsets = [len(e) for e in echo]
+
+    def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
+        return [{"index": i, "text": e, "logprobs": None, "finish_reason": None} for i, e in enumerate(self.echo) if e]
+
+    def delta_choices(self, d: ChoiceDelta) -> list[dict[str, Any]]:
+        if not (d.text or (d.logprobs and d.token_ids) or d.finish_reason):
+            return []
+        lp = completion_logprobs(d, self.top_logprobs, self._offsets[d.index]) if d.logprobs is not None else None
+        self._offsets[d.index] += len(d.text)
+        return [{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]
+
+    def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
+        c = acc.choices[index]
+        echo = self.echo[index]
+        return {
+            "index": index, "text": echo + c.content,
+            "logprobs": completion_logprobs(acc.merged_delta(index), self.top_logprobs, len(echo))
+            if c.has_logprobs else None,
+            "finish_reason": c.finish_reason,
+        }

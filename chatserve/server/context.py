@@ -1,0 +1,95 @@
+"""`ServerContext`: what every route needs, built once by `create_app` and kept on `app.state.ctx`.
+
+No module globals: two apps in one process each have their own engine, settings, metrics and
+tracker. The checks that refuse a request before any work (wrong model, overload, shutdown) live
+here because they read the server's state, not the request body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from chatserve.engine.async_engine import AsyncLLMEngine
+from chatserve.server.errors import APIError
+from chatserve.server.metrics import ServerMetrics
+from chatserve.server.settings import ServerSettings
+from chatserve.server.tracker import RequestTracker
+from chatserve.sessions import SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerContext:
+    """Everything a route needs; lives on `app.state.ctx`."""
+
+    engine: AsyncLLMEngine
+    sessions: SessionStore | None  # None: no session API
+    settings: ServerSettings
+    metrics: ServerMetrics
+    tracker: RequestTracker
+    model_name: str
+    background: set[asyncio.Task] = field(default_factory=set)
+    accepting: bool = True  # False once shutdown began
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """A task that outlives the request that started it (e.g. settling after a disconnect)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutdown: refuse new work, let running requests finish for up to grace_s, then abort the
+        rest (their streams end with finish_reason "abort" and [DONE]; session turns are stored)."""
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.tracker.live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        live = [rec.owner for rec in list(self.tracker.live.values()) if rec.owner is not None]
+        if live:
+            logger.warning("shutdown: aborting %d request(s) still running after %.1fs", len(live), grace_s)
+            await asyncio.gather(*(gen.cancel("engine") for gen in live), return_exceptions=True)
+        # Let the streams write their final events and the session turns land.
+        deadline = loop.time() + 5.0
+        while (self.tracker.live or self.background) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    def check_model(self, model: str | None) -> None:
+        """A request naming another model is OpenAI's 404, not silently served by this one."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def check_capacity(self) -> None:
+        """Shed load with 503 + Retry-After once the waiting queue is full, instead of queueing forever."""
+        if not self.accepting:
+            raise APIError(503, "the server is shutting down; retry on another instance",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        if not self.engine.is_healthy():
+            raise APIError(503, "the engine has failed and must be restarted", code="engine_dead")
+        limit = self.engine.max_num_seqs + self.settings.max_queue_len
+        if self.engine.num_live_requests >= limit:
+            raise APIError(
+                503,
+                f"the server is overloaded ({self.engine.num_live_requests} requests in flight, limit {limit}); retry later",
+                code="queue_full",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.ctx

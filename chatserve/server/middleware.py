@@ -1,0 +1,56 @@
+"""The API key check and the count of error responses, as one pure ASGI middleware.
+
+Pure ASGI (no response buffering, unlike Starlette's BaseHTTPMiddleware), so SSE streams and
+client disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from chatserve.server.errors import error_body
+from chatserve.server.metrics import ServerMetrics
+
+_PROTECTED_PREFIXES = ("/v1/", "/debug/")
+
+
+class AuthAndErrorCount:
+    """Bearer-key check on the API paths (the web client and /health, /metrics stay open), and a
+    count of error statuses for /metrics."""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key and scope["path"].startswith(_PROTECTED_PREFIXES) and not self._authorized(scope):
+            self.metrics.observe_error(401)
+            response = JSONResponse(
+                error_body(401, "missing or invalid API key: send `Authorization: Bearer <key>`", code="invalid_api_key"),
+                status_code=401, headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.observe_error(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+    def _authorized(self, scope: dict) -> bool:
+        assert self.api_key is not None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                text = value.decode("latin-1")
+                scheme, _, token = text.partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return False

@@ -1,0 +1,125 @@
+"""`/v1/chat/completions`, `/v1/completions` and `/v1/models`: OpenAI's contract, streamed or not.
+
+Each POST route reads the path of a request top to bottom: parse the body, refuse what cannot
+be served (model, limits, capacity), turn the messages or prompts into `ProcessedPrompt`s through
+the engine's input processor (template, tokenize, validate: once; its `PromptError` is a 400
+naming the field), build the `SamplingParams`, start the `Generation`, then stream or collect it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatserve.engine.input_processor import ProcessedPrompt
+from chatserve.server.choices import Accumulator
+from chatserve.server.chunks import ChatFormat, CompletionFormat
+from chatserve.server.context import ServerContext, get_context
+from chatserve.server.errors import bad_request
+from chatserve.server.generation import Generation
+from chatserve.server.http_input import read_model, request_id_from
+from chatserve.server.params import build_sampling_params, cap_max_tokens, check_limits
+from chatserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from chatserve.server.streaming import collect_reply, sse_response, stream_events
+
+
+def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The messages through the model's chat template (a PromptError names `messages`); template_kwargs
+    (the request's chat_template_kwargs) are variables for the template, as in vLLM."""
+    if len(messages) > ctx.settings.max_messages:
+        raise bad_request(f"at most {ctx.settings.max_messages} messages are allowed, got {len(messages)}",
+                          param="messages")
+    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return ctx.engine.input_processor.render_chat(conversation, add_generation_prompt=add_generation_prompt,
+                                                  param="messages", **(template_kwargs or {}))
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = get_context(request)
+    body = await read_model(request, ChatCompletionRequest, ctx.settings)
+    request_id = request_id_from(request, ctx.settings)
+    ctx.check_model(body.model)
+    check_limits(ctx.settings, body)
+    ctx.check_capacity()
+    max_tokens = body.effective_max_tokens()
+    prompt_ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    prompt = ctx.engine.input_processor.process({"prompt_token_ids": prompt_ids}, max_tokens=max_tokens,
+                                                param="messages")
+    params = build_sampling_params(body, max_tokens, body.num_logprobs())
+    cap_max_tokens(params, ctx.max_model_len, prompt.num_tokens)
+    gen = Generation(ctx, request_id, [prompt], params)
+    acc = Accumulator(body.n)
+    fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), ctx.model_name, body.top_logprobs or 0)
+    headers = {"X-Request-Id": request_id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = stream_events(gen, acc, fmt, include_usage=include_usage)
+        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
+    await collect_reply(request, gen, acc)
+    return JSONResponse(fmt.reply(acc, gen.usage), headers=headers)
+
+
+def completion_prompts(ctx: ServerContext, body: CompletionRequest) -> list[ProcessedPrompt]:
+    """Each prompt (text or token ids) tokenized and checked once; an explicit max_tokens must fit."""
+    max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    return [
+        ctx.engine.input_processor.process(p if isinstance(p, str) else {"prompt_token_ids": p},
+                                           max_tokens=max_tokens, param="prompt")
+        for p in body.prompts()
+    ]
+
+
+async def completions(request: Request) -> Response:
+    ctx = get_context(request)
+    body = await read_model(request, CompletionRequest, ctx.settings)
+    request_id = request_id_from(request, ctx.settings)
+    ctx.check_model(body.model)
+    check_limits(ctx.settings, body)
+    if len(body.prompts()) * body.n > ctx.settings.max_n:
+        raise bad_request(f"prompts x n must be at most {ctx.settings.max_n}", param="prompt")
+    ctx.check_capacity()
+    prompts = completion_prompts(ctx, body)
+    params = build_sampling_params(body, body.max_tokens, body.logprobs)
+    # One max_tokens for all prompts: the room the longest leaves (only lowers an implicit one).
+    cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
+    gen = Generation(ctx, request_id, prompts, params)
+    acc = Accumulator(len(prompts) * body.n)
+    texts = [_prompt_text(ctx, p) if body.echo else "" for p in prompts]
+    echo = [texts[i // body.n] for i in range(len(acc.choices))]
+    fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), ctx.model_name, body.logprobs or 0, echo)
+    headers = {"X-Request-Id": request_id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = stream_events(gen, acc, fmt, include_usage=include_usage)
+        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
+    await collect_reply(request, gen, acc)
+    return JSONResponse(fmt.reply(acc, gen.usage), headers=headers)
+
+
+def _prompt_text(ctx: ServerContext, prompt: ProcessedPrompt) -> str:
+    """What `echo` repeats: the prompt as sent, or its token ids decoded."""
+    return prompt.prompt if prompt.prompt is not None else ctx.engine.tokenizer.decode(prompt.prompt_token_ids)
+
+
+async def list_models(request: Request) -> JSONResponse:
+    ctx = get_context(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": ctx.started_at,
+        "owned_by": "chatserve", "max_model_len": ctx.max_model_len,
+    }]})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+
+
+__all__ = ["routes"]

@@ -1,0 +1,34 @@
+"""The browser client: `/` and its static files, shipped inside the package (`chatserve.web`)."""
+
+from __future__ import annotations
+
+import importlib.resources
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from chatserve.server.errors import error_body
+
+
+def _web_dir() -> Any:
+    return importlib.resources.files("chatserve.web")
+
+
+async def index(request: Request) -> Response:
+    page = _web_dir() / "index.html"
+    if not page.is_file():
+        return JSONResponse(error_body(404, "the web client is not installed (web/index.html missing)"), status_code=404)
+    return FileResponse(str(page), media_type="text/html")
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route("/", index, methods=["GET"]),
+        Mount("/static", app=StaticFiles(directory=str(_web_dir())), name="static"),
+    ]
+
+
+__all__ = ["routes"]

@@ -15,13 +15,14 @@ HOST       ?= 127.0.0.1
 PORT       ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-redis serve test test-all bench
+.PHONY: help setup setup-redis serve test test-all lint bench
 
 help:
 	@echo "make setup     create .venv and install chatserve[dev], torch (if missing), the default model"
 	@echo "make serve     OpenAI-compatible server + web client with the default model on http://$(HOST):$(PORT)"
 	@echo "make test      fast test suite (needs Redis; started if absent)"
 	@echo "make test-all  full test suite, including tests marked slow"
+	@echo "make lint      ruff over the code, mypy over the torch-free layers (part of make test)"
 	@echo "make bench     offline benchmark: chatserve vs transformers (BENCH_ARGS=...)"
 
 setup:
@@ -34,13 +35,18 @@ setup-redis:
 serve: setup
 	$(PY) -m chatserve serve --host $(HOST) --port $(PORT) $(if $(REDIS_URL),--redis-url $(REDIS_URL)) $(SERVE_ARGS)
 
+# Lint (ruff, configured in pyproject.toml) and types of the torch-free layers (mypy: cache, core).
+lint: setup
+	$(VENV)/bin/ruff check chatserve tests scripts
+	$(VENV)/bin/mypy
+
 # pytest exits 5 when it collects no tests; any non-zero status fails the target.
-test: setup-redis
+test: setup-redis lint
 	@rc=0; $(PYTEST) -q -m "not slow" $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- treating as failure" >&2; fi; \
 	exit $$rc
 
-test-all: setup-redis
+test-all: setup-redis lint
 	@rc=0; $(PYTEST) -q $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-all: pytest collected no tests -- treating as failure" >&2; fi; \
 	exit $$rc

@@ -42,17 +42,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import statistics
 import sys
-import tempfile
 import time
-import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as bc  # noqa: E402  (stdlib-only at import time)
+import bench_common as bc  # noqa: E402  (stdlib-only at import time)
 
 RESULT_MARKER = "BENCH_RESULT_JSON: "
 ENGINES = ("chatserve", "hf")
@@ -79,14 +75,6 @@ TOPICS = [
     "the stock market", "rainbows", "chess openings", "the immune system", "the Great Wall of China",
     "solar panels", "earthquakes", "writing poetry", "the moon landing",
 ]
-
-
-def _log(who: str, msg: str) -> None:
-    print(f"[bench:{who}] {msg}", file=sys.stderr, flush=True)
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,19 +114,17 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
     for c, n in zip(levels, counts):
         per_level.append({"concurrency": c, "prompts": rest[i:i + n]})
         i += n
-    return {
-        "model": {"path": model.path, "directory": model.directory, "gguf_file": model.gguf_file},
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "max_tokens": args.max_tokens,
-        "hf_seq_requests": args.hf_seq_requests,
-        "e2e_tokens": args.e2e_tokens,
-        "e2e_repeats": args.e2e_repeats,
-        "prefix_caching": not args.no_prefix_caching,
-        "warmup_prompts": warm,
-        "e2e_prompt": e2e,
-        "levels": per_level,
-    }
+    return bc.worker_spec(
+        model, args.dtype, args.threads,
+        max_tokens=args.max_tokens,
+        hf_seq_requests=args.hf_seq_requests,
+        e2e_tokens=args.e2e_tokens,
+        e2e_repeats=args.e2e_repeats,
+        prefix_caching=not args.no_prefix_caching,
+        warmup_prompts=warm,
+        e2e_prompt=e2e,
+        levels=per_level,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,9 +169,9 @@ async def _cs_level(engine: Any, SamplingParams: Any, prompts: list[list[int]], 
         "wall_s": wall,
         "generated_tokens": tokens,
         "tok_s": tokens / wall,
-        "median_ttft_s": _median([r["ttft"] for r in reqs if r["ttft"] is not None]),
-        "median_itl_s": _median([x for r in reqs for x in r["itl"]]),
-        "median_latency_s": _median([r["latency"] for r in reqs]),
+        "median_ttft_s": bc.median([r["ttft"] for r in reqs if r["ttft"] is not None]),
+        "median_itl_s": bc.median([x for r in reqs for x in r["itl"]]),
+        "median_latency_s": bc.median([r["latency"] for r in reqs]),
         "short_outputs": sum(1 for r in reqs if r["tokens"] != max_tokens),
         "max_cached_tokens": max((r["cached"] for r in reqs), default=0),
     }
@@ -201,17 +187,17 @@ async def _cs_main(spec: dict[str, Any], res: dict[str, Any]) -> None:
         model=model.path, dtype=spec["dtype"], num_threads=spec["threads"], max_num_seqs=max_level,
         enable_prefix_caching=spec["prefix_caching"]))
     res["load_s"] = time.perf_counter() - t0
-    _log("chatserve", f"loaded in {res['load_s']:.2f}s; max_num_seqs={max_level}")
+    bc.log("chatserve", f"loaded in {res['load_s']:.2f}s; max_num_seqs={max_level}")
     try:
         m = spec["max_tokens"]
         warm = spec["warmup_prompts"]
-        _log("chatserve", f"warm-up: {len(warm)} requests, concurrency {len(warm)}, 8 tokens")
+        bc.log("chatserve", f"warm-up: {len(warm)} requests, concurrency {len(warm)}, 8 tokens")
         await _cs_level(engine, SamplingParams, warm, len(warm), 8, "warm")
         res["levels"] = []
         for lv in spec["levels"]:
             r = await _cs_level(engine, SamplingParams, lv["prompts"], lv["concurrency"], m, f"c{lv['concurrency']}")
             res["levels"].append(r)
-            _log("chatserve", f"concurrency {r['concurrency']}: {r['num_requests']} requests x {m} tokens in "
+            bc.log("chatserve", f"concurrency {r['concurrency']}: {r['num_requests']} requests x {m} tokens in "
                               f"{r['wall_s']:.2f}s = {r['tok_s']:.1f} tok/s, TTFT {r['median_ttft_s'] or 0:.3f}s, "
                               f"ITL {1000 * (r['median_itl_s'] or 0):.1f}ms")
         # End to end: one request on an idle engine.
@@ -220,7 +206,7 @@ async def _cs_main(spec: dict[str, Any], res: dict[str, Any]) -> None:
         best = min(runs, key=lambda r: r["wall_s"])
         res["e2e"] = {"wall_s": best["wall_s"], "tokens": best["generated_tokens"],
                       "ttft_s": best["median_ttft_s"], "max_cached_tokens": best["max_cached_tokens"]}
-        _log("chatserve", f"end to end: {best['generated_tokens']} tokens in {best['wall_s']:.2f}s")
+        bc.log("chatserve", f"end to end: {best['generated_tokens']} tokens in {best['wall_s']:.2f}s")
         res["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, (int, float, bool))}
     finally:
         await engine.shutdown()
@@ -231,47 +217,13 @@ async def _cs_main(spec: dict[str, Any], res: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class HFEngine:
-    def __init__(self, model: bc.ModelRef, dtype: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.tokenizer = bc.load_hf_tokenizer(model)
-        kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
-        if model.gguf_file:
-            kwargs["gguf_file"] = model.gguf_file
-            # NOTE: as in bench_offline.py: a plain dense model in `dtype` (what chatserve runs), not packed
-            # GGUF weights unpacked on every forward.
-            try:
-                from transformers import GgufConfig
-
-                kwargs["quantization_config"] = GgufConfig(dequantize=True)
-            except ImportError:
-                pass
-        self.model = AutoModelForCausalLM.from_pretrained(model.directory, **kwargs).eval()
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.pad_id = self.tokenizer.pad_token_id
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        torch = self.torch
-        enc = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                      do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                      pad_token_id=self.pad_id)
-        return [row.tolist() for row in out[:, enc["input_ids"].shape[1]:]]
-
-
 def _hf_main(spec: dict[str, Any], res: dict[str, Any]) -> None:
     model = bc.ModelRef(**spec["model"])
     t0 = time.perf_counter()
-    eng = HFEngine(model, spec["dtype"])
+    eng = bc.HFEngine(model, spec["dtype"])
     res["load_s"] = time.perf_counter() - t0
-    res["attn_implementation"] = getattr(eng.model.config, "_attn_implementation", None)
-    _log("hf", f"loaded in {res['load_s']:.2f}s")
+    res["attn_implementation"] = eng.info["attn_implementation"]
+    bc.log("hf", f"loaded in {res['load_s']:.2f}s")
     m = spec["max_tokens"]
     warnings: list[str] = res.setdefault("warnings", [])
 
@@ -285,7 +237,7 @@ def _hf_main(spec: dict[str, Any], res: dict[str, Any]) -> None:
         return dt
 
     warm = spec["warmup_prompts"]
-    _log("hf", "warm-up")
+    bc.log("hf", "warm-up")
     timed(warm[:1], 4)
     timed(warm[:4], 4)
     res["levels"] = []
@@ -302,11 +254,11 @@ def _hf_main(spec: dict[str, Any], res: dict[str, Any]) -> None:
             r.update(batched_groups=len(groups), batched_wall_s=wall, batched_tok_s=len(prompts) * m / wall)
             msg += f"; batched {len(groups)} group(s) of <= {c} in {wall:.2f}s = {r['batched_tok_s']:.1f} tok/s"
         res["levels"].append(r)
-        _log("hf", msg)
+        bc.log("hf", msg)
     n = spec["e2e_tokens"]
     wall = min(timed([spec["e2e_prompt"]], n) for _ in range(spec["e2e_repeats"]))
     res["e2e"] = {"wall_s": wall, "tokens": n}
-    _log("hf", f"end to end: {n} tokens in {wall:.2f}s")
+    bc.log("hf", f"end to end: {n} tokens in {wall:.2f}s")
 
 
 def worker_main(engine_name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> int:
@@ -332,28 +284,13 @@ def worker_main(engine_name: str, spec: dict[str, Any] | None, args: argparse.Na
         res["torch"] = torch.__version__
         res["torch_threads"] = torch.get_num_threads()
     except BaseException as e:  # report, then let the parent print what it has
-        res["error"] = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    res["peak_rss_mib"] = bc.peak_rss_mib()
-    print(RESULT_MARKER + json.dumps(res), flush=True)
-    return 1 if "error" in res else 0
+        return bc.finish_worker(RESULT_MARKER, res, e)
+    return bc.finish_worker(RESULT_MARKER, res)
 
 
 # --------------------------------------------------------------------------------------------------
 # Parent
 # --------------------------------------------------------------------------------------------------
-
-
-def run_worker(engine: str, spec_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    return bc.run_worker_process(__file__, engine, spec_path, args.threads, args.timeout, RESULT_MARKER, ["--threads", str(args.threads)])
-
-
-def _f(x: Any, fmt: str) -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
 
 
 def build_report(results: dict[str, dict[str, Any]], spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -367,36 +304,28 @@ def build_report(results: dict[str, dict[str, Any]], spec: dict[str, Any]) -> tu
     for lv in spec["levels"]:
         c = lv["concurrency"]
         a, b = cs_lv.get(c, {}), hf_lv.get(c, {})
-        r_seq = _ratio(a.get("tok_s"), b.get("seq_tok_s"))
-        r_bat = _ratio(a.get("tok_s"), b.get("batched_tok_s"))
+        r_seq = bc.ratio(a.get("tok_s"), b.get("seq_tok_s"))
+        r_bat = bc.ratio(a.get("tok_s"), b.get("batched_tok_s"))
         summary["levels"].append({"concurrency": c, "vs_hf_seq": r_seq, "vs_hf_batched": r_bat})
         rows.append([
-            str(c), _f(a.get("tok_s"), "{:.1f}"), _f(b.get("seq_tok_s"), "{:.1f}"),
-            _f(b.get("batched_tok_s"), "{:.1f}") if c > 1 else "(= sequential)",
-            _f(r_seq, "{:.2f}x"), _f(r_bat, "{:.2f}x"),
-            _f(a.get("median_ttft_s"), "{:.3f} s"),
-            _f(None if a.get("median_itl_s") is None else 1000 * a["median_itl_s"], "{:.1f} ms"),
+            str(c), bc.fmt(a.get("tok_s"), "{:.1f}"), bc.fmt(b.get("seq_tok_s"), "{:.1f}"),
+            bc.fmt(b.get("batched_tok_s"), "{:.1f}") if c > 1 else "(= sequential)",
+            bc.fmt(r_seq, "{:.2f}x"), bc.fmt(r_bat, "{:.2f}x"),
+            bc.fmt(a.get("median_ttft_s"), "{:.3f} s"),
+            bc.fmt(None if a.get("median_itl_s") is None else 1000 * a["median_itl_s"], "{:.1f} ms"),
         ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = []
-    for n, row in enumerate(rows):
-        lines.append("| " + " | ".join(cell.rjust(w) if n else cell.ljust(w) for cell, w in zip(row, widths)) + " |")
-        if n == 0:
-            lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines = [bc.markdown_table(rows)]
 
     ce, he = cs.get("e2e") or {}, hf.get("e2e") or {}
-    speed = _ratio(he.get("wall_s"), ce.get("wall_s"))
+    speed = bc.ratio(he.get("wall_s"), ce.get("wall_s"))
     summary["e2e_speedup"] = speed
     n_e2e = spec["e2e_tokens"]
-    lines += [
-        "",
-        f"| single prompt end to end ({len(spec['e2e_prompt'])}-token chat prompt, {n_e2e} new tokens) "
-        f"| chatserve (AsyncLLMEngine) | transformers generate | speed-up |",
-        "|---|---|---|---|",
-        f"| wall time | {_f(ce.get('wall_s'), '{:.2f} s')} | {_f(he.get('wall_s'), '{:.2f} s')} "
-        f"| {_f(speed, '{:.2f}x')} |",
-        f"| tok/s | {_f(_ratio(n_e2e, ce.get('wall_s')), '{:.1f}')} | {_f(_ratio(n_e2e, he.get('wall_s')), '{:.1f}')} | |",
-    ]
+    lines += ["", bc.markdown_table([
+        [f"single prompt end to end ({len(spec['e2e_prompt'])}-token chat prompt, {n_e2e} new tokens)",
+         "chatserve (AsyncLLMEngine)", "transformers generate", "speed-up"],
+        ["wall time", bc.fmt(ce.get("wall_s"), "{:.2f} s"), bc.fmt(he.get("wall_s"), "{:.2f} s"), bc.fmt(speed, "{:.2f}x")],
+        ["tok/s", bc.fmt(bc.ratio(n_e2e, ce.get("wall_s")), "{:.1f}"), bc.fmt(bc.ratio(n_e2e, he.get("wall_s")), "{:.1f}"), ""],
+    ])]
     target = next((s for s in summary["levels"] if s["concurrency"] == TARGET_LEVEL), None)
     if target is None:
         verdict = f"concurrency {TARGET_LEVEL} >= {TARGET_RATIO:g}x transformers one-after-another: " \
@@ -450,37 +379,23 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--num-requests must be >= 1")
 
     if args.worker:
-        spec = None
-        if args.spec:
-            with open(args.spec) as f:
-                spec = json.load(f)
-        return worker_main(args.worker, spec, args)
+        return worker_main(args.worker, bc.load_spec(args.spec), args)
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from bench_offline import busy_warning, env_info  # stdlib-only helpers
-
-    busy_before = busy_warning()
-    if busy_before:
-        _log("main", "WARNING: " + busy_before)
+    busy_before = bc.start_parent()
     t_start = time.perf_counter()
     spec = make_spec(args)
     plens = [len(x) for lv in spec["levels"] for x in lv["prompts"]]
-    _log("main", f"model {spec['model']['path']}, dtype {args.dtype}, threads {args.threads}; levels "
+    bc.log("main", f"model {spec['model']['path']}, dtype {args.dtype}, threads {args.threads}; levels "
                  f"{[(lv['concurrency'], len(lv['prompts'])) for lv in spec['levels']]} (concurrency, requests); "
                  f"chat prompts {min(plens)}-{max(plens)} tokens; {args.max_tokens} new tokens each")
 
     engines = (args.only,) if args.only else ENGINES
-    results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="chatserve-bench-engine-") as tmp:
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        for engine in engines:
-            results[engine] = run_worker(engine, spec_path, args)
+    results = bc.run_engine_workers(__file__, engines, spec, result_marker=RESULT_MARKER, threads=args.threads,
+                                    timeout=args.timeout, extra_args=["--threads", str(args.threads)])
 
     table, summary = build_report(results, spec)
     print()
-    print(f"model: {spec['model']['path']}  dtype: {args.dtype}  threads: {args.threads}  cpu: {env_info()['cpu']}")
+    print(f"model: {spec['model']['path']}  dtype: {args.dtype}  threads: {args.threads}  cpu: {bc.env_info()['cpu']}")
     print(f"{args.max_tokens} new tokens per request (greedy, EOS ignored); HF sequential timed on "
           f"min(N, {args.hf_seq_requests}) requests per level and reported as a rate; "
           f"chatserve prefix caching {'on' if spec['prefix_caching'] else 'off'} (distinct prompts per level)")
@@ -488,30 +403,23 @@ def main(argv: list[str] | None = None) -> int:
     print(summary["target_line"])
     if busy_before:
         print("WARNING: " + busy_before)
-    status = 0
+    status = bc.print_problems(results)
     for engine, res in results.items():
-        for w in res.get("warnings", []):
-            print(f"WARNING [{engine}]: {w}")
         for lv in res.get("levels", []):
             if lv.get("short_outputs"):
                 print(f"WARNING [{engine}]: concurrency {lv['concurrency']}: {lv['short_outputs']} requests "
                       f"did not produce exactly {args.max_tokens} tokens")
                 status = 1
-        if "error" in res:
-            print(f"ERROR [{engine}]: {res['error']}")
-            status = 1
     total = time.perf_counter() - t_start
     print(f"total benchmark time {total:.0f}s")
 
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         cfg = {k: v for k, v in spec.items() if k not in ("warmup_prompts", "e2e_prompt", "levels")}
         cfg["levels"] = [{"concurrency": lv["concurrency"], "prompt_lengths": [len(x) for x in lv["prompts"]]}
                          for lv in spec["levels"]]
         cfg["e2e_prompt_length"] = len(spec["e2e_prompt"])
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "env": env_info(), "results": results, "summary": summary,
-                       "table": table, "total_s": total}, f, indent=2)
+        bc.write_json(args.json, {"config": cfg, "env": bc.env_info(), "results": results, "summary": summary,
+                                  "table": table, "total_s": total})
         print(f"results written to {args.json}")
     return status
 

@@ -34,73 +34,23 @@ Method (identical for both engines, all greedy, EOS ignored so every request mak
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
-import tempfile
 import time
-import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as bc  # noqa: E402  (stdlib-only at import time)
+import bench_common as bc  # noqa: E402  (stdlib-only at import time)
 
 RESULT_MARKER = "BENCH_RESULT_JSON: "
 ENGINES = ("hf", "chatserve")
 
 
 # --------------------------------------------------------------------------------------------------
-# Engine adapters: one method, `generate(prompts, max_tokens) -> list of generated id lists`.
+# Engine adapters: one method, `generate(prompts, max_tokens) -> list of generated id lists`
+# (bench_common.HFEngine is the transformers one).
 # --------------------------------------------------------------------------------------------------
-
-
-class HFEngine:
-    name = "hf"
-
-    def __init__(self, model: bc.ModelRef, dtype: str, threads: int) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.tokenizer = bc.load_hf_tokenizer(model)
-        kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
-        if model.gguf_file:
-            kwargs["gguf_file"] = model.gguf_file
-            # NOTE: recent transformers may keep GGUF weights packed and unpack them on every forward.
-            # Ask for a plain dense model in `dtype`, which is what chatserve runs, so both engines do
-            # the same arithmetic.
-            try:
-                from transformers import GgufConfig
-
-                kwargs["quantization_config"] = GgufConfig(dequantize=True)
-            except ImportError:  # older transformers always dequantize GGUF at load
-                pass
-        self.model = AutoModelForCausalLM.from_pretrained(model.directory, **kwargs).eval()
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.pad_id = self.tokenizer.pad_token_id
-        self.info = {
-            "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
-            "model_dtype": str(self.model.dtype),
-            "pad_token_id": self.pad_id,
-        }
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        torch = self.torch
-        enc = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=enc["input_ids"],
-                attention_mask=enc["attention_mask"],
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,  # suppresses EOS: the ignore_eos equivalent
-                pad_token_id=self.pad_id,
-            )
-        new = out[:, enc["input_ids"].shape[1] :]
-        return [row.tolist() for row in new]
 
 
 class ChatserveEngine:
@@ -142,10 +92,6 @@ def _best_of(n: int, fn: Callable[[], Any]) -> tuple[float, Any]:
     return min(runs, key=lambda r: r[0])
 
 
-def _log(engine: str, msg: str) -> None:
-    print(f"[bench:{engine}] {msg}", file=sys.stderr, flush=True)
-
-
 def measure(engine: Any, spec: dict[str, Any], res: dict[str, Any]) -> None:
     name = engine.name
     work = spec["workload"]
@@ -159,13 +105,13 @@ def measure(engine: Any, spec: dict[str, Any], res: dict[str, Any]) -> None:
 
     # Prefill: one long prompt, one output token.
     prefill = work["prefill_prompt"]
-    _log(name, f"prefill: {len(prefill)} tokens, warm-up + best of {reps}")
+    bc.log(name, f"prefill: {len(prefill)} tokens, warm-up + best of {reps}")
     engine.generate([prefill], 1)
     t, outs = _best_of(reps, lambda: engine.generate([prefill], 1))
     check_len(outs, 1, "prefill")
     res["prefill_ttft_s"] = t
     res["prefill_tok_s"] = len(prefill) / t
-    _log(name, f"  prefill TTFT {t:.3f}s = {res['prefill_tok_s']:.0f} tok/s")
+    bc.log(name, f"  prefill TTFT {t:.3f}s = {res['prefill_tok_s']:.0f} tok/s")
     if isinstance(engine, ChatserveEngine):
         res["prefill_max_num_cached_tokens"] = engine.max_cached_tokens
         if engine.max_cached_tokens:
@@ -173,7 +119,7 @@ def measure(engine: Any, spec: dict[str, Any], res: dict[str, Any]) -> None:
 
     # Batch 1: TTFT from 1-token requests, then full N-token requests.
     short = work["short_prompt"]
-    _log(name, f"batch 1: {len(short)}-token prompt, {n_new} new tokens, best of {reps}")
+    bc.log(name, f"batch 1: {len(short)}-token prompt, {n_new} new tokens, best of {reps}")
     engine.generate([short], 8)
     ttft, _ = _best_of(reps, lambda: engine.generate([short], 1))
     total, outs = _best_of(reps, lambda: engine.generate([short], n_new))
@@ -182,11 +128,11 @@ def measure(engine: Any, spec: dict[str, Any], res: dict[str, Any]) -> None:
     res["bs1_total_s"] = total
     res["bs1_decode_tok_s"] = (len(outs[0]) - 1) / (total - ttft) if total > ttft else None
     res["bs1_token_ids"] = outs[0]
-    _log(name, f"  TTFT {ttft:.3f}s, {n_new} tokens in {total:.2f}s, decode {res['bs1_decode_tok_s'] or 0:.1f} tok/s")
+    bc.log(name, f"  TTFT {ttft:.3f}s, {n_new} tokens in {total:.2f}s, decode {res['bs1_decode_tok_s'] or 0:.1f} tok/s")
 
     # Batch B: distinct short prompts in one call.
     batch = work["batch_prompts"]
-    _log(name, f"batch {len(batch)}: prompts of {min(map(len, batch))}-{max(map(len, batch))} tokens, "
+    bc.log(name, f"batch {len(batch)}: prompts of {min(map(len, batch))}-{max(map(len, batch))} tokens, "
                f"{n_new} new tokens each, {spec['batch_repeats']} timed run(s)")
     engine.generate(batch, 2)
     t, outs = _best_of(spec["batch_repeats"], lambda: engine.generate(batch, n_new))
@@ -195,7 +141,7 @@ def measure(engine: Any, spec: dict[str, Any], res: dict[str, Any]) -> None:
     res["bs32_wall_s"] = t
     res["bs32_generated_tokens"] = n_gen
     res["bs32_tok_s"] = n_gen / t
-    _log(name, f"  {n_gen} tokens in {t:.2f}s = {res['bs32_tok_s']:.1f} tok/s")
+    bc.log(name, f"  {n_gen} tokens in {t:.2f}s = {res['bs32_tok_s']:.1f} tok/s")
 
 
 def worker_main(engine_name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> int:
@@ -221,20 +167,19 @@ def worker_main(engine_name: str, spec: dict[str, Any] | None, args: argparse.Na
         if spec is None:  # in-process debugging: build the workload here
             spec = make_spec(args)
         model = bc.ModelRef(**spec["model"])
-        _log(engine_name, f"loading {model.path} ({spec['dtype']})")
-        cls = HFEngine if engine_name == "hf" else ChatserveEngine
-        res["load_s"], engine = _timed(lambda: cls(model, spec["dtype"], spec["threads"]))
+        bc.log(engine_name, f"loading {model.path} ({spec['dtype']})")
+        if engine_name == "hf":
+            res["load_s"], engine = _timed(lambda: bc.HFEngine(model, spec["dtype"]))
+        else:
+            res["load_s"], engine = _timed(lambda: ChatserveEngine(model, spec["dtype"], spec["threads"]))
         res["torch_threads_after_load"] = torch.get_num_threads()
         res["rss_after_load_mib"] = bc.current_rss_mib()
         res["info"] = engine.info
-        _log(engine_name, f"loaded in {res['load_s']:.2f}s (imports {res['import_s']:.2f}s)")
+        bc.log(engine_name, f"loaded in {res['load_s']:.2f}s (imports {res['import_s']:.2f}s)")
         measure(engine, spec, res)
     except BaseException as e:  # report, then let the parent print what it has
-        res["error"] = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    res["peak_rss_mib"] = bc.peak_rss_mib()
-    print(RESULT_MARKER + json.dumps(res), flush=True)
-    return 1 if "error" in res else 0
+        return bc.finish_worker(RESULT_MARKER, res, e)
+    return bc.finish_worker(RESULT_MARKER, res)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,44 +191,8 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
     model = bc.resolve_model(args.model)
     tok = bc.load_hf_tokenizer(model)
     work = bc.build_workload(tok, prefill_tokens=args.prefill_tokens, batch_size=args.batch_size)
-    return {
-        "model": {"path": model.path, "directory": model.directory, "gguf_file": model.gguf_file},
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "batch_repeats": args.batch_repeats,
-        "decode_tokens": args.decode_tokens,
-        "workload": work,
-    }
-
-
-def run_worker(engine: str, spec_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    return bc.run_worker_process(__file__, engine, spec_path, args.threads, args.timeout, RESULT_MARKER, None)
-
-
-def busy_warning() -> str | None:
-    """Timings are meaningless when other processes compete for the cores (OpenMP threads spin and
-    wait for each other: one descheduled thread stalls every matmul)."""
-    try:
-        load1 = os.getloadavg()[0]
-    except OSError:
-        return None
-    if load1 > 0.5 * (os.cpu_count() or 1):
-        return (f"1-minute load average is {load1:.1f} on {os.cpu_count()} CPUs: other processes are running, "
-                f"timings will be noisy and multi-threaded ones badly inflated. Rerun on an idle machine "
-                f"(or with --threads 1).")
-    return None
-
-
-def env_info() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "loadavg": list(os.getloadavg())}
+    return bc.worker_spec(model, args.dtype, args.threads, repeats=args.repeats, batch_repeats=args.batch_repeats,
+                          decode_tokens=args.decode_tokens, workload=work)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,30 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.worker:
-        spec = None
-        if args.spec:
-            with open(args.spec) as f:
-                spec = json.load(f)
-        return worker_main(args.worker, spec, args)
+        return worker_main(args.worker, bc.load_spec(args.spec), args)
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    busy_before = busy_warning()
-    if busy_before:
-        _log("main", "WARNING: " + busy_before)
+    busy_before = bc.start_parent()
     spec = make_spec(args)
     work = spec["workload"]
-    _log("main", f"model {spec['model']['path']}, dtype {args.dtype}, threads {args.threads}; "
+    bc.log("main", f"model {spec['model']['path']}, dtype {args.dtype}, threads {args.threads}; "
                  f"prefill {len(work['prefill_prompt'])} ids, short prompt {len(work['short_prompt'])} ids, "
                  f"{len(work['batch_prompts'])} batch prompts")
 
     engines = (args.only,) if args.only else ENGINES
-    results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="chatserve-bench-") as tmp:
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        for engine in engines:
-            results[engine] = run_worker(engine, spec_path, args)
+    results = bc.run_engine_workers(__file__, engines, spec, result_marker=RESULT_MARKER, threads=args.threads,
+                                    timeout=args.timeout)
 
     # Greedy agreement on the batch-1 run: a cheap correctness signal (bf16 may diverge late).
     a = (results.get("hf") or {}).get("bs1_token_ids")
@@ -340,31 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     table = bc.format_table(results, prefill_tokens=args.prefill_tokens, batch_size=args.batch_size)
     print()
     print(f"model: {spec['model']['path']}  dtype: {args.dtype}  threads: {args.threads}  "
-          f"cpu: {env_info()['cpu']}")
+          f"cpu: {bc.env_info()['cpu']}")
     print(table)
     if agreement is not None:
         print(f"greedy agreement (batch 1): first {agreement} of {min(len(a), len(b))} tokens identical")
     if busy_before:
         print("WARNING: " + busy_before)
-    status = 0
-    for engine, res in results.items():
-        for w in res.get("warnings", []):
-            print(f"WARNING [{engine}]: {w}")
-        if "error" in res:
-            print(f"ERROR [{engine}]: {res['error']}")
-            status = 1
+    status = bc.print_problems(results)
 
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         cfg = {k: v for k, v in spec.items() if k != "workload"}
         cfg["workload_lengths"] = {
             "prefill": len(work["prefill_prompt"]),
             "short": len(work["short_prompt"]),
             "batch": [len(x) for x in work["batch_prompts"]],
         }
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg, "env": env_info(), "results": results,
-                       "bs1_greedy_agreement": agreement, "table": table}, f, indent=2)
+        bc.write_json(args.json, {"config": cfg, "env": bc.env_info(), "results": results,
+                                  "bs1_greedy_agreement": agreement, "table": table})
         print(f"results written to {args.json}")
     return status
 

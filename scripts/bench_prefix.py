@@ -21,7 +21,7 @@ output for it carries a non-empty token list (cumulative output kind, so that is
 All requests are greedy (temperature 0) with ignore_eos, so every request makes exactly max_tokens
 tokens. Before any measurement each worker warms up on unrelated text (a ~1k-token prefill and a small
 batch decode), then empties the prefix cache; the cache is emptied again before every scenario
-(`engine.block_manager.cache.reset()`), so each scenario starts cold. Counters are deltas of
+(`engine.reset_prefix_cache()`), so each scenario starts cold. Counters are deltas of
 `engine.stats()` over the scenario: prefill tokens computed (`num_prefill_tokens_computed`), hit rate
 = `prefix_cache_hits_tokens` / `prefix_cache_queries_tokens`.
 
@@ -56,18 +56,15 @@ of N); hit rate >= 90% (a) and >= 80% (b).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as bc  # noqa: E402  (stdlib-only at import time)
+import bench_common as bc  # noqa: E402  (stdlib-only at import time)
 
 RESULT_MARKER = "BENCH_PREFIX_RESULT_JSON: "
 MODES = ("on", "off")
@@ -249,14 +246,6 @@ def next_turn_suffix(tokenizer: Any, msg: str) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _log(mode: str, msg: str) -> None:
-    print(f"[bench_prefix:{mode}] {msg}", file=sys.stderr, flush=True)
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
 class Driver:
     def __init__(self, llm: Any, SamplingParams: Any, mode: str) -> None:
         self.llm = llm
@@ -271,7 +260,8 @@ class Driver:
         return self.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     def reset_cache(self) -> None:
-        self.engine.block_manager.cache.reset()
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("the prefix cache cannot be reset while requests run")
 
     def counters(self) -> dict[str, int]:
         s = self.engine.stats()
@@ -393,7 +383,7 @@ def scenario_shared(d: Driver, work: dict[str, Any], args: argparse.Namespace) -
         "ttft_s": ttfts,
         "num_cached_tokens": [r["num_cached_tokens"] for r in reqs],
         "miss_ttft_s": ttfts[0],
-        "hit_ttft_median_s": _median(ttfts[1:]),
+        "hit_ttft_median_s": bc.median(ttfts[1:]),
         "prompt_tokens": sum(r["prompt_len"] for r in reqs),
         "ideal_prefill_tokens": ideal_prefill,
         "ideal_hit_rate": ideal_hits / res["prefix_cache_queries_tokens"] if res["prefix_cache_queries_tokens"] else None,
@@ -422,7 +412,7 @@ def scenario_multiturn(d: Driver, work: dict[str, Any], args: argparse.Namespace
         ttfts = [r["ttft_s"] for r in out["requests"]]
         turns.append({
             "turn": t + 1,
-            "ttft_median_s": _median(ttfts),
+            "ttft_median_s": bc.median(ttfts),
             "ttft_max_s": max(ttfts),
             "total_s": out["total_s"],
             "prompt_len_mean": statistics.mean(len(p) for p in prompts),
@@ -448,7 +438,7 @@ def scenario_burst(d: Driver, work: dict[str, Any], args: argparse.Namespace) ->
     for _ in range(args.single_repeats):
         d.reset_cache()
         singles.append(d.run_batch([work["prompts"][0]], args.max_tokens)["total_s"])
-    res["single_s"] = _median(singles)
+    res["single_s"] = bc.median(singles)
     res["single_runs_s"] = singles
     bursts = []
     for n in args.burst_sizes:
@@ -463,7 +453,7 @@ def scenario_burst(d: Driver, work: dict[str, Any], args: argparse.Namespace) ->
             "users": n,
             "total_s": out["total_s"],
             "ratio_to_single": out["total_s"] / res["single_s"] if res["single_s"] else None,
-            "ttft_median_s": _median(ttfts),
+            "ttft_median_s": bc.median(ttfts),
             "ttft_max_s": max(ttfts),
             "prefill_tokens": dt["num_prefill_tokens_computed"],
             "ideal_prefill_tokens": ideal,
@@ -498,12 +488,12 @@ def worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "block_size": d.block_size,
-        "num_kv_blocks": d.engine.block_manager.num_total_blocks,
+        "num_kv_blocks": d.engine.stats()["num_total_blocks"],
         "system_tokens": len(work["system_ids"]),
         "prompt_lens": [len(p) for p in work["prompts"]],
         "template_roundtrip_ok": work["template_roundtrip_ok"],
     }
-    _log(mode, f"loaded in {load_s:.1f}s; prompts {min(res['prompt_lens'])}-{max(res['prompt_lens'])} tokens; "
+    bc.log(mode, f"loaded in {load_s:.1f}s; prompts {min(res['prompt_lens'])}-{max(res['prompt_lens'])} tokens; "
                f"template round-trip {'ok' if work['template_roundtrip_ok'] else 'MISMATCH'}")
 
     # Warm-up on unrelated text (no shared prefix with the workload), then start cold.
@@ -516,16 +506,16 @@ def worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     t = time.perf_counter()
     res["shared"] = scenario_shared(d, work, args)
-    _log(mode, f"(a) shared prompt: miss TTFT {res['shared']['miss_ttft_s']:.3f}s, hit median "
+    bc.log(mode, f"(a) shared prompt: miss TTFT {res['shared']['miss_ttft_s']:.3f}s, hit median "
                f"{res['shared']['hit_ttft_median_s'] or 0:.3f}s, prefill {res['shared']['num_prefill_tokens_computed']}"
                f" tokens, hit rate {res['shared']['hit_rate']:.1%}  [{time.perf_counter() - t:.1f}s]")
     t = time.perf_counter()
     res["multiturn"] = scenario_multiturn(d, work, args, tokenizer)
-    _log(mode, f"(b) multi-turn: prefill {res['multiturn']['num_prefill_tokens_computed']} tokens, hit rate "
+    bc.log(mode, f"(b) multi-turn: prefill {res['multiturn']['num_prefill_tokens_computed']} tokens, hit rate "
                f"{res['multiturn']['hit_rate']:.1%}  [{time.perf_counter() - t:.1f}s]")
     t = time.perf_counter()
     res["burst"] = scenario_burst(d, work, args)
-    _log(mode, "(c) burst: single {:.2f}s; ".format(res["burst"]["single_s"]) + "; ".join(
+    bc.log(mode, "(c) burst: single {:.2f}s; ".format(res["burst"]["single_s"]) + "; ".join(
         f"{b['users']} users {b['total_s']:.2f}s ({b['ratio_to_single']:.2f}x), prefill {b['prefill_tokens']}"
         for b in res["burst"]["bursts"]) + f"  [{time.perf_counter() - t:.1f}s]")
     res["warnings"] = d.warnings
@@ -552,32 +542,10 @@ def _worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
 
 
 def run_worker_subprocess(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(_worker_argv(args, mode), stdout=subprocess.PIPE, text=True, env=env, timeout=args.timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER):])
-    raise SystemExit(f"worker {mode} exited with {proc.returncode} and no result (see its stderr above)")
-
-
-def _fmt(v: Any, spec: str = "{:.3f}") -> str:
-    if v is None:
-        return "-"
-    return spec.format(v) if isinstance(v, (int, float)) else str(v)
-
-
-def _ratio(a: Any, b: Any) -> float | None:
-    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
-
-
-def _md(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for n, r in enumerate(rows):
-        out.append("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |")
-        if n == 0:
-            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(out)
+    res = bc.run_worker_process(_worker_argv(args, mode), mode, result_marker=RESULT_MARKER, timeout=args.timeout)
+    if "error" in res:  # a worker reports only complete results
+        raise SystemExit(f"worker {mode}: {res['error']} (see its stderr above)")
+    return res
 
 
 def evaluate(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -590,17 +558,17 @@ def evaluate(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> di
 
     if on:
         a = on["shared"]
-        check("(a) hit TTFT median / miss TTFT", _ratio(a["hit_ttft_median_s"], a["miss_ttft_s"]), "<=", 0.15)
+        check("(a) hit TTFT median / miss TTFT", bc.ratio(a["hit_ttft_median_s"], a["miss_ttft_s"]), "<=", 0.15)
         check("(a) hit rate", a["hit_rate"], ">=", 0.90)
         check("(b) hit rate", on["multiturn"]["hit_rate"], ">=", 0.80)
         for b in on["burst"]["bursts"]:
             check(f"(c) burst of {b['users']} / one request alone", b["ratio_to_single"], "<=", 2.5)
     if on and off:
-        check("(a) prefill tokens computed OFF/ON", _ratio(off["shared"]["num_prefill_tokens_computed"],
+        check("(a) prefill tokens computed OFF/ON", bc.ratio(off["shared"]["num_prefill_tokens_computed"],
                                                          on["shared"]["num_prefill_tokens_computed"]), ">=", 5.0)
         b_on, b_off = on["burst"]["bursts"][0], off["burst"]["bursts"][0]
         check(f"(c) prefill tokens computed OFF/ON (burst of {b_on['users']})",
-              _ratio(b_off["prefill_tokens"], b_on["prefill_tokens"]), ">=", 4.0)
+              bc.ratio(b_off["prefill_tokens"], b_on["prefill_tokens"]), ">=", 4.0)
     # Same greedy outputs with and without the cache?
     agree: dict[str, Any] = {}
     if on and off:
@@ -628,8 +596,8 @@ def format_report(results: dict[str, dict[str, Any]], ev: dict[str, Any], args: 
 
     def row(label: str, keys: tuple, spec: str = "{:.3f}", ratio: bool = True) -> None:
         a, b = g(on, *keys), g(off, *keys)
-        r = _ratio(b, a) if ratio else None
-        rows.append([label, _fmt(a, spec), _fmt(b, spec), _fmt(r, "{:.2f}x")])
+        r = bc.ratio(b, a) if ratio else None
+        rows.append([label, bc.fmt(a, spec), bc.fmt(b, spec), bc.fmt(r, "{:.2f}x")])
 
     n = args.num_requests
     row("(a) TTFT request 1, miss (s)", ("shared", "miss_ttft_s"))
@@ -655,15 +623,15 @@ def format_report(results: dict[str, dict[str, Any]], ev: dict[str, Any], args: 
             "{:d}", ratio=False)
     row("load time (s)", ("load_s",), "{:.2f}", ratio=False)
     row("peak RSS (MiB)", ("peak_rss_mib",), "{:.0f}", ratio=False)
-    lines.append(_md(rows))
+    lines.append(bc.markdown_table(rows))
 
     if on.get("shared") or off.get("shared"):
         lines.append("")
         rows = [["(a) request", "TTFT ON (s)", "TTFT OFF (s)", "cached tokens ON"]]
         for i in range(n):
-            rows.append([str(i + 1), _fmt(g(on, "shared", "ttft_s", i)), _fmt(g(off, "shared", "ttft_s", i)),
-                         _fmt(g(on, "shared", "num_cached_tokens", i), "{:d}")])
-        lines.append(_md(rows))
+            rows.append([str(i + 1), bc.fmt(g(on, "shared", "ttft_s", i)), bc.fmt(g(off, "shared", "ttft_s", i)),
+                         bc.fmt(g(on, "shared", "num_cached_tokens", i), "{:d}")])
+        lines.append(bc.markdown_table(rows))
 
     if ev["checks"]:
         lines.append("")
@@ -674,8 +642,8 @@ def format_report(results: dict[str, dict[str, Any]], ev: dict[str, Any], args: 
             if "TTFT" in c["name"]:
                 spec, tgt = "{:.1%}", f"{c['target']:.0%}"
             res = "-" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
-            rows.append([c["name"], _fmt(c["value"], spec), f"{c['op']} {tgt}", res])
-        lines.append(_md(rows))
+            rows.append([c["name"], bc.fmt(c["value"], spec), f"{c['op']} {tgt}", res])
+        lines.append(bc.markdown_table(rows))
 
     ag = ev.get("agreement") or {}
     if ag:
@@ -754,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
         res = worker(args.worker, args)
-        print(RESULT_MARKER + json.dumps(res), flush=True)
+        bc.emit_result(RESULT_MARKER, res)
         return 0
     t0 = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
@@ -765,15 +733,13 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     print(f"\n(total wall time {time.perf_counter() - t0:.0f}s)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         payload = {
             "config": {k: v for k, v in vars(args).items() if k not in ("json", "worker")},
-            "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+            "host": bc.env_info(),
             "results": results,
             **ev,
         }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+        bc.write_json(args.json, payload, indent=1)
         print(f"wrote {args.json}")
     return 0  # targets are reported (PASS/FAIL), not enforced through the exit code
 

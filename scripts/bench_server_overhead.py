@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import PASSAGE  # noqa: E402
+from bench_common import PASSAGE  # noqa: E402  (stdlib-only at import time)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -70,6 +70,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402  (stdlib-only: no chatserve needed on the client machine)
+
 WORKLOADS = ("shared-prefix", "multi-turn", "random", "abort-storm")
 
 # ---------------------------------------------------------------------------------------------------
@@ -846,11 +849,8 @@ def summarize(args: argparse.Namespace, plan: Plan, runner: Runner, t0: float, t
 
 
 def _f(v: Any, spec: str = "{:.1f}") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    return spec.format(v)
+    """A table cell; one decimal unless said otherwise."""
+    return bc.fmt(v, spec)
 
 
 TABLE_ROWS: list[tuple[str, Any]] = [
@@ -901,11 +901,7 @@ def format_table(summaries: list[dict[str, Any]], labels: list[str] | None = Non
     if any(s.get("abort") for s in summaries):
         for name, fn in ABORT_ROWS:
             rows.append([name, *(_abort_cell(s, fn) for s in summaries)])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)) + " |"
-             for r in rows]
-    lines.insert(1, "|" + "|".join(("-" * (w + 2)) for w in widths) + "|")
-    return "\n".join(lines)
+    return bc.markdown_table(rows)
 
 
 def write_plot(path: str, runs: list[dict[str, Any]]) -> None:
@@ -1082,9 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
     if summary["errors"]:
         print("errors (first distinct ones):\n  " + "\n  ".join(summary["errors"]))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=1)
+        bc.write_json(args.json, summary, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         write_plot(args.plot, runs)

@@ -21,6 +21,11 @@
 # LLAMACPP_SPEC, CHATSERVE_ARGS, LLAMACPP_ARGS, BENCH_ARGS (extra bench_serving.py flags for both).
 set -euo pipefail
 
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment above, before installing anything
+  sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
+
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 PY="$ROOT/.venv/bin/python"

@@ -40,9 +40,13 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import PagedCache, blocks_needed, markdown_table, sdpa_extend  # noqa: E402  (stdlib-only at import time)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,14 +129,7 @@ class Report:
     def table(self) -> str:
         head = ["section", "case", "chatserve", "reference", "baseline", "verdict"]
         cells = [head] + [[r.section, r.case, r.chatserve, r.reference, r.baseline, r.verdict] for r in self.rows]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-
-        def line(c: list[str]) -> str:
-            return "| " + " | ".join(x.ljust(w) for x, w in zip(c, widths)) + " |"
-
-        out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-        out += [line(c) for c in cells[1:]]
-        return "\n".join(out)
+        return markdown_table(cells, numeric=False)
 
 
 @dataclass
@@ -172,52 +169,6 @@ def dtype_of(name: str):
     import torch
 
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
-class PagedCache:
-    """Random K/V in blocks handed out in random order; remembers which slots hold context tokens."""
-
-    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, rng: random.Random, device):
-        import torch
-
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.block_size = block_size
-        self.k = torch.randn(shape, device=device).to(dtype)
-        self.v = torch.randn(shape, device=device).to(dtype)
-        self.free = list(range(num_blocks))
-        rng.shuffle(self.free)
-        self.valid = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
-
-    def table_for(self, length: int) -> list[int]:
-        import torch
-
-        nb = -(-length // self.block_size)
-        if nb > len(self.free):
-            raise RuntimeError("PagedCache: out of blocks (a bug in this script's sizing)")
-        table, self.free = self.free[:nb], self.free[nb:]
-        t = torch.tensor(table, device=self.valid.device)
-        pos = torch.arange(length, device=self.valid.device)
-        self.valid[t[pos // self.block_size] * self.block_size + pos % self.block_size] = True
-        return table
-
-    def padded_tables(self, tables: list[list[int]]):
-        """Rows padded with a block outside every context (NaN when poisoned; never read by the kernels)."""
-        import torch
-
-        pad = self.free[0] if self.free else tables[0][0]
-        width = max(len(t) for t in tables) + 1
-        return torch.tensor([t + [pad] * (width - len(t)) for t in tables], dtype=torch.int64, device=self.valid.device)
-
-    def poisoned(self):
-        k, v = self.k.clone(), self.v.clone()
-        invalid = ~self.valid.view(k.shape[0], k.shape[1])
-        k[invalid] = float("nan")
-        v[invalid] = float("nan")
-        return k, v
-
-
-def blocks_needed(lengths: list[int], block_size: int) -> int:
-    return sum(-(-n // block_size) for n in lengths) + 2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -370,8 +321,7 @@ def timing_decode(ctx: Ctx, batch: int, ctx_len: int) -> None:
     t_triton = ctx.bench_us(lambda: tk.paged_decode_attention(q, cache.k, cache.v, tables, context_lens, scale, max_len=ctx_len, out=out))
     t_ref = ctx.bench_us(lambda: ref_ops.paged_decode_attention(q, cache.k, cache.v, tables, context_lens, scale, max_len=ctx_len))
     rep = heads // kv_heads
-    kd = ref_ops.gather_blocks(cache.k, tables, ctx_len).repeat_interleave(rep, dim=1).contiguous()  # [B, H, L, D]
-    vd = ref_ops.gather_blocks(cache.v, tables, ctx_len).repeat_interleave(rep, dim=1).contiguous()
+    kd, vd = cache.dense(ref_ops, tables, ctx_len, rep)  # [B, H, L, D]
     qd = q.unsqueeze(2)
     t_sdpa = ctx.bench_us(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
     ctx.report.add(Row("timings", f"decode bf16 14q/2kv d64 bs16 B={batch} ctx={ctx_len}", f"{t_triton:.1f}", f"{t_ref:.1f}",
@@ -380,7 +330,6 @@ def timing_decode(ctx: Ctx, batch: int, ctx_len: int) -> None:
 
 def timing_extend(ctx: Ctx, batch: int, prefix: int, new: int) -> None:
     import torch
-    import torch.nn.functional as F
 
     heads, kv_heads, head_dim, block_size = 14, 2, 64, 16
     dtype = torch.bfloat16
@@ -394,20 +343,15 @@ def timing_extend(ctx: Ctx, batch: int, prefix: int, new: int) -> None:
     scale = head_dim**-0.5
     out = torch.empty_like(q)
     tk, ref_ops = ctx.tk, ctx.ref_ops
-    t_triton = ctx.bench_us(lambda: tk.paged_extend_attention(q, cache.k, cache.v, tables, qsl, seq_lens, scale, max_query_len=new, out=out))
+    t_triton = ctx.bench_us(
+        lambda: tk.paged_extend_attention(q, cache.k, cache.v, tables, qsl, seq_lens, scale, max_query_len=new, out=out))
     t_ref = ctx.bench_us(lambda: ref_ops.paged_extend_attention(q, cache.k, cache.v, tables, qsl, seq_lens, scale))
     rep = heads // kv_heads
     total = prefix + new
-    kd = ref_ops.gather_blocks(cache.k, tables, total).repeat_interleave(rep, dim=1).contiguous()
-    vd = ref_ops.gather_blocks(cache.v, tables, total).repeat_interleave(rep, dim=1).contiguous()
+    kd, vd = cache.dense(ref_ops, tables, total, rep)
     qd = q.view(batch, new, heads, head_dim).transpose(1, 2).contiguous()
-    if prefix == 0:
-        t_sdpa = ctx.bench_us(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale))
-        note = "causal"
-    else:
-        mask = torch.arange(total, device=ctx.device)[None, :] <= torch.arange(prefix, total, device=ctx.device)[:, None]
-        t_sdpa = ctx.bench_us(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale))
-        note = "bool offset-causal mask"
+    sdpa, note = sdpa_extend(qd, kd, vd, prefix=prefix, scale=scale)
+    t_sdpa = ctx.bench_us(sdpa)
     ctx.report.add(Row("timings", f"extend bf16 14q/2kv d64 bs16 B={batch} prefix={prefix} new={new}", f"{t_triton:.1f}",
                        f"{t_ref:.1f}", f"{t_sdpa:.1f} ({note})", f"{t_ref / t_triton:.1f}x vs ref, {t_sdpa / t_triton:.2f}x vs SDPA"))
 
@@ -486,7 +430,7 @@ def chatserve_throughput(ctx: Ctx, folder: Path, backend: str, prompts: list[lis
         str(folder), dtype="bfloat16", device=str(ctx.device), attention_backend=backend,
         max_model_len=prompt_len + output_len + 32, kv_cache_memory_gb=16.0 if not ctx.smoke else 0.05,
         max_num_seqs=max(concurrencies), max_num_batched_tokens=16384, max_prefill_tokens_while_decoding=16384,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, cpu_kernels=False,  # on a --smoke run: no 30 s C++ build, and "torch" stays torch
     )
     if llm.engine.attention_backend != backend:
         raise RuntimeError(f"asked for attention_backend={backend!r}, the engine chose {llm.engine.attention_backend!r}")
@@ -564,7 +508,7 @@ def section_engine(ctx: Ctx, args: argparse.Namespace) -> None:
                        f"{params_m:.0f}M params, bf16{' (tiny: --smoke)' if ctx.smoke else ', Qwen2.5-0.5B shapes'}"))
 
         def run_hf() -> None:
-            results["hf"] = hf_throughput(ctx, model, prompts, output_len, concurrencies)
+            results["hf"] = hf_throughput(ctx, model, prompts, output_len, concurrencies)  # noqa: F821 - runs before the del
 
         if not args.skip_hf:  # transformers first; its copy is freed before our engines load theirs
             report.guarded("engine", "transformers generate", run_hf, needs_s=40)
@@ -651,7 +595,6 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: decided before the kernels module is imported (triton reads it at decoration time)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-        os.environ.setdefault("CHATSERVE_DISABLE_GEMV", "1")  # no 30 s C++ build for a dry run
     elif os.environ.pop("TRITON_INTERPRET", None):
         print("gpu_check: ignoring TRITON_INTERPRET (this check compiles the kernels for the GPU)", file=sys.stderr)
 

@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import PagedCache, blocks_needed, sdpa_extend  # noqa: E402  (stdlib-only at import time)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +36,7 @@ def main() -> int:
     import torch.nn.functional as F
     import triton
 
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_check import PagedCache, blocks_needed
-
+    sys.path.insert(0, str(ROOT))  # a checkout without `pip install -e .` still works
     from chatserve.kernels import reference as ref_ops
     from chatserve.kernels import triton_attention as tk
 
@@ -70,7 +71,7 @@ def main() -> int:
         print(f"\n== {name}: SDPA dense {sdpa_us:.1f} us; default {default} "
               f"{base[1] if base else float('nan'):.1f} us; best {best[0]} {best[1]:.1f} us; "
               f"{len(timed)} timed, {len(wrong)} wrong, {len(rows) - len(timed) - len(wrong)} failed")
-        for cfg, t, status in sorted(timed, key=lambda r: r[1])[:5]:
+        for cfg, t, _status in sorted(timed, key=lambda r: r[1])[:5]:
             print(f"   {t:8.1f} us  {cfg}")
         for cfg, _, status in rows:
             if status != "ok":
@@ -88,8 +89,7 @@ def main() -> int:
         context_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
         q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
         ref = ref_ops.paged_decode_attention(q, cache.k, cache.v, tables, context_lens, scale, max_len=ctx_len)
-        kd = ref_ops.gather_blocks(cache.k, tables, ctx_len).repeat_interleave(rep, dim=1).contiguous()
-        vd = ref_ops.gather_blocks(cache.v, tables, ctx_len).repeat_interleave(rep, dim=1).contiguous()
+        kd, vd = cache.dense(ref_ops, tables, ctx_len, rep)
         qd = q.unsqueeze(2)
         sdpa = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
         auto = tk.choose_num_splits(batch, kv_heads, ctx_len, dev)
@@ -114,15 +114,9 @@ def main() -> int:
         seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
         q = torch.randn(batch * new, heads, head_dim, device=dev, dtype=dtype)
         ref = ref_ops.paged_extend_attention(q, cache.k, cache.v, tables, qsl, seq_lens, scale)
-        total = prefix + new
-        kd = ref_ops.gather_blocks(cache.k, tables, total).repeat_interleave(rep, dim=1).contiguous()
-        vd = ref_ops.gather_blocks(cache.v, tables, total).repeat_interleave(rep, dim=1).contiguous()
+        kd, vd = cache.dense(ref_ops, tables, prefix + new, rep)
         qd = q.view(batch, new, heads, head_dim).transpose(1, 2).contiguous()
-        if prefix == 0:
-            sdpa = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale))
-        else:
-            mask = torch.arange(total, device=dev)[None, :] <= torch.arange(prefix, total, device=dev)[:, None]
-            sdpa = bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale))
+        sdpa = bench(sdpa_extend(qd, kd, vd, prefix=prefix, scale=scale)[0])
         configs = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
                    for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
 

@@ -11,8 +11,9 @@ import importlib.util
 import json
 import os
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import pytest
 

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 
+from chatserve.sampling_params import SamplingParams
 from chatserve.worker.sampler import (
     Sampler,
     SamplingTensors,
@@ -13,7 +14,6 @@ from chatserve.worker.sampler import (
     apply_top_k_top_p_min_p,
     make_generator,
 )
-from chatserve.sampling_params import SamplingParams
 
 # A crafted distribution over V=10 with well-separated cut points.
 PROBS = [0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005]

@@ -11,7 +11,7 @@ requests is just ``incref`` and finishing a request is just ``decref``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "RefCountError"]
 

@@ -9,7 +9,8 @@ stale heap entries are skipped on ``pop`` and dropped by compaction.
 from __future__ import annotations
 
 import heapq
-from typing import Generic, Hashable, TypeVar
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 __all__ = ["LRUIndex"]
 

@@ -27,7 +27,8 @@ engine uses it:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from .allocator import BlockAllocator
 

@@ -14,7 +14,7 @@ deterministic.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .allocator import BlockAllocator, RefCountError
 from .lru_index import LRUIndex

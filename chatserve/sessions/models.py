@@ -18,8 +18,9 @@ import secrets
 import sys
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from chatserve.sessions.errors import SessionValidationError
 

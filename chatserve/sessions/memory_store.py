@@ -17,13 +17,11 @@ from chatserve.sessions.errors import SessionNotFound
 from chatserve.sessions.models import (
     Message,
     Session,
-    SessionIdGenerator,
     check_ttl,
     decode_token_ids,
     dumps_json,
     encode_token_ids,
     is_valid_session_id,
-    json_round_trip,
 )
 from chatserve.sessions.store import (
     DEFAULT_SESSION_TTL_S,
@@ -59,7 +57,6 @@ class InMemorySessionStore(SessionStore):
         super().__init__(default_ttl_seconds)
         self._sessions: dict[str, _Entry] = {}
         self._locks: dict[str, _Lock] = {}
-        self._new_id = SessionIdGenerator()
 
     # --- lazy expiry -----------------------------------------------------------------
 
@@ -113,20 +110,8 @@ class InMemorySessionStore(SessionStore):
         defaults: dict[str, Any] | None = None,
         model: str | None = None,
     ) -> Session:
-        ttl = check_ttl(self.default_ttl_seconds if ttl_seconds is None else ttl_seconds)
-        session_id, created_at = self._new_id()
-        session = Session(
-            id=session_id,
-            created_at=created_at,
-            updated_at=created_at,
-            expires_at=created_at + ttl,
-            ttl_seconds=ttl,
-            system_prompt=system_prompt,
-            metadata=json_round_trip({} if metadata is None else metadata, "metadata"),
-            defaults=json_round_trip({} if defaults is None else defaults, "defaults"),
-            model=model,
-        )
-        record = session.to_record()
+        session = self._new_session(system_prompt, metadata, ttl_seconds, defaults, model)
+        session_id, ttl, record = session.id, session.ttl_seconds, session.to_record()
         self._sessions[session_id] = _Entry(record, [], b"", time.monotonic() + ttl)
         return Session.from_record(record)
 

@@ -39,12 +39,10 @@ from chatserve.sessions.errors import SessionBusy, SessionNotFound, SessionStore
 from chatserve.sessions.models import (
     Message,
     Session,
-    SessionIdGenerator,
     check_ttl,
     decode_token_ids,
     encode_token_ids,
     is_valid_session_id,
-    json_round_trip,
     ttl_ms,
 )
 from chatserve.sessions.store import (
@@ -129,7 +127,6 @@ class RedisSessionStore(SessionStore):
         self._acquire_script = self._client.register_script(_ACQUIRE_LUA)
         self._release_script = self._client.register_script(_RELEASE_LUA)
         self._refresh_script = self._client.register_script(_REFRESH_LUA)
-        self._new_id = SessionIdGenerator()
 
     def keys(self, session_id: str) -> _Keys:
         """The per-session keys (public so tests and operators can inspect them)."""
@@ -233,20 +230,8 @@ class RedisSessionStore(SessionStore):
         defaults: dict[str, Any] | None = None,
         model: str | None = None,
     ) -> Session:
-        ttl = check_ttl(self.default_ttl_seconds if ttl_seconds is None else ttl_seconds)
-        session_id, created_at = self._new_id()
-        session = Session(
-            id=session_id,
-            created_at=created_at,
-            updated_at=created_at,
-            expires_at=created_at + ttl,
-            ttl_seconds=ttl,
-            system_prompt=system_prompt,
-            metadata=json_round_trip({} if metadata is None else metadata, "metadata"),
-            defaults=json_round_trip({} if defaults is None else defaults, "defaults"),
-            model=model,
-        )
-        record = session.to_record()
+        session = self._new_session(system_prompt, metadata, ttl_seconds, defaults, model)
+        session_id, ttl, record = session.id, session.ttl_seconds, session.to_record()
         k = self.keys(session_id)
         with self._errors("create a session"):
             await self._prune_expired()

@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 from chatserve.sessions.errors import SessionBusy, SessionStoreUnavailable, SessionValidationError
-from chatserve.sessions.models import Message, Session, check_ttl, is_valid_session_id
+from chatserve.sessions.models import Message, Session, SessionIdGenerator, check_ttl, is_valid_session_id, json_round_trip
 
 DEFAULT_SESSION_TTL_S = 24 * 3600  # seconds
 DEFAULT_TURN_LOCK_TTL_S = 120.0
@@ -68,6 +68,7 @@ class SessionStore(abc.ABC):
 
     def __init__(self, default_ttl_seconds: float = DEFAULT_SESSION_TTL_S) -> None:
         self.default_ttl_seconds = check_ttl(default_ttl_seconds, "default_ttl_seconds")
+        self._new_id = SessionIdGenerator()
 
     # --- sessions -----------------------------------------------------------------
 
@@ -83,6 +84,26 @@ class SessionStore(abc.ABC):
     ) -> Session:
         """Creates a session with no turns (`ttl_seconds` None -> the store's default).
         Raises SessionValidationError for a bad TTL or non-JSON metadata/defaults."""
+
+    def _new_session(
+        self, system_prompt: str | None, metadata: dict[str, Any] | None, ttl_seconds: float | None,
+        defaults: dict[str, Any] | None, model: str | None,
+    ) -> Session:
+        """A new session with no turns, validated (TTL, JSON-able metadata and defaults): what
+        `create` stores, the same for every store."""
+        ttl = check_ttl(self.default_ttl_seconds if ttl_seconds is None else ttl_seconds)
+        session_id, created_at = self._new_id()
+        return Session(
+            id=session_id,
+            created_at=created_at,
+            updated_at=created_at,
+            expires_at=created_at + ttl,
+            ttl_seconds=ttl,
+            system_prompt=system_prompt,
+            metadata=json_round_trip({} if metadata is None else metadata, "metadata"),
+            defaults=json_round_trip({} if defaults is None else defaults, "defaults"),
+            model=model,
+        )
 
     @abc.abstractmethod
     async def get(self, session_id: str) -> Session | None:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.server.choices import Accumulator
-from chatserve.server.chunks import ChatFormat, CompletionFormat
+from chatserve.server.chunks import ChatFormat, CompletionFormat, ReplyFormat
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import bad_request
 from chatserve.server.generation import Generation
@@ -55,6 +55,12 @@ async def chat_completions(request: Request) -> Response:
     gen = Generation(ctx, request_id, [prompt], params)
     acc = Accumulator(body.n)
     fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), ctx.model_name, body.top_logprobs or 0)
+    return await respond(request, ctx, body, request_id, gen, acc, fmt)
+
+
+async def respond(request: Request, ctx: ServerContext, body: ChatCompletionRequest | CompletionRequest, request_id: str,
+                  gen: Generation, acc: Accumulator, fmt: ReplyFormat) -> Response:
+    """The reply to a chat or completions request: an SSE stream, or one JSON body once done."""
     headers = {"X-Request-Id": request_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -92,13 +98,7 @@ async def completions(request: Request) -> Response:
     texts = [_prompt_text(ctx, p) if body.echo else "" for p in prompts]
     echo = [texts[i // body.n] for i in range(len(acc.choices))]
     fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), ctx.model_name, body.logprobs or 0, echo)
-    headers = {"X-Request-Id": request_id}
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = stream_events(gen, acc, fmt, include_usage=include_usage)
-        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
-    await collect_reply(request, gen, acc)
-    return JSONResponse(fmt.reply(acc, gen.usage), headers=headers)
+    return await respond(request, ctx, body, request_id, gen, acc, fmt)
 
 
 def _prompt_text(ctx: ServerContext, prompt: ProcessedPrompt) -> str:

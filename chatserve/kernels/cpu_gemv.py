@@ -77,10 +77,10 @@ def load_cpu_kernels(amx: bool = True) -> CpuKernels | None:
         from torch.utils.cpp_extension import load
 
         ext = load(
-            # NOTE: one build folder per version of the sources (their hash in the name): checkouts
-            # with different sources sharing ~/.cache/torch_extensions would otherwise rebuild over
-            # each other (and a process killed mid-build leaves a lock that stalls the others);
-            # checkouts with the same sources share one build.
+            # NOTE: one build folder per checkout and version of the sources (a hash of both in the
+            # name). Checkouts sharing ~/.cache/torch_extensions under one name rebuild over each
+            # other (torch's build file holds absolute source paths), and a process killed
+            # mid-build leaves a lock that stalls every other checkout's servers.
             name=f"chatserve_cpu_kernels_{_sources_hash()}",
             sources=[str(p) for p in _SOURCES],
             # -fopenmp: at::parallel_for is inlined from headers and is serial without it
@@ -136,7 +136,10 @@ def _load_amx(ext) -> AmxMatmul | None:
 def _sources_hash() -> str:
     import hashlib
 
-    return hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
+    digest = hashlib.sha1(str(_CSRC.resolve()).encode())
+    for path in _SOURCES + _HEADERS:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def _headers_hash() -> str:

@@ -42,7 +42,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def run_engine(engine, texts: list[str], max_tokens: int) -> tuple[int, float, list[float]]:
     from chatserve import SamplingParams
-    from chatserve.llm import apply_chat_template
+    from chatserve.engine.input_processor import apply_chat_template
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind="delta")
     gaps: list[float] = []

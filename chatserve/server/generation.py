@@ -48,7 +48,6 @@ class Generation:
             raise APIError(409, f"a request with id {request_id!r} is already running; use a unique X-Request-Id",
                            param="X-Request-Id", code="duplicate_request_id") from None
         self.usage = Usage(prompt_tokens=sum(p.num_tokens for p in prompts))
-        self.first_output_time: float | None = None
         self._last_time: dict[str, float] = {}
         self._done: set[str] = set()
         self._streams: list[AsyncIterator[RequestOutput]] = []
@@ -113,8 +112,6 @@ class Generation:
             self._cached[eid] = out.num_cached_tokens
         new_tokens = sum(len(o.token_ids) for o in out.outputs)
         if new_tokens:
-            if self.first_output_time is None:
-                self.first_output_time = now
             last = self._last_time.get(eid)
             if last is not None:
                 self.ctx.metrics.observe_token_gap(now - last, new_tokens)

@@ -14,6 +14,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_sessionstart(session) -> None:
+    """Compile the C++ kernels once, here, before any test starts a server.
+
+    A server building them itself counts the compile (minutes on 2 cores) against its startup
+    timeout; built here, every server finds them ready.
+    """
+    from chatserve.kernels.cpu_gemv import cpu_has_avx512_bf16, load_cpu_kernels
+
+    if cpu_has_avx512_bf16():
+        load_cpu_kernels()
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     from chatserve.models.loader import default_model_path

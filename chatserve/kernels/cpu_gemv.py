@@ -11,8 +11,9 @@ and callers use torch ops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,21 +77,25 @@ def load_cpu_kernels(amx: bool = True) -> CpuKernels | None:
     try:
         from torch.utils.cpp_extension import load
 
-        ext = load(
-            # NOTE: one build folder per checkout and version of the sources (a hash of both in the
-            # name). Checkouts sharing ~/.cache/torch_extensions under one name rebuild over each
-            # other (torch's build file holds absolute source paths), and a process killed
-            # mid-build leaves a lock that stalls every other checkout's servers.
-            name=f"chatserve_cpu_kernels_{_sources_hash()}",
-            sources=[str(p) for p in _SOURCES],
-            # -fopenmp: at::parallel_for is inlined from headers and is serial without it
-            # the header's hash in the flags: torch rebuilds when sources or flags change, not headers
-            # -mamx-*: only the AMX functions use tile instructions; they run only where amx_available()
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
-                          "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = f"chatserve_cpu_kernels_{_sources_hash()}"
+        build_dir = _build_root() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _exclusive_build(build_dir):
+            ext = load(
+                # NOTE: one build folder per checkout and version of the sources (a hash of both in the
+                # name): checkouts sharing one name rebuild over each other (torch's build file holds
+                # absolute source paths).
+                name=name,
+                build_directory=str(build_dir),
+                sources=[str(p) for p in _SOURCES],
+                # -fopenmp: at::parallel_for is inlined from headers and is serial without it
+                # the header's hash in the flags: torch rebuilds when sources or flags change, not headers
+                # -mamx-*: only the AMX functions use tile instructions; they run only where amx_available()
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+                              "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
         fn = ext.bf16_gemv
         _verify_rms_norm(ext.rms_norm_bf16)
         # prove it on this machine before trusting it
@@ -131,6 +136,37 @@ def _load_amx(ext) -> AmxMatmul | None:
             logger.warning("AMX matmul gave wrong results; using the AVX512-BF16 kernel")
             return None
     return amx
+
+
+def _build_root() -> Path:
+    """Where torch's cpp_extension would build (TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions/<py>_cpu)."""
+    import os
+    import sys
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    return Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """One builder at a time, and no stale lock from a builder that died.
+
+    Why: torch's own build lock is a plain file that a killed process leaves behind, and every
+    later process then waits on it forever (a test's server killed at its startup timeout while
+    compiling stalled the rest of CI). An flock is released by the kernel when its holder dies;
+    holding it, nobody else is building, so a leftover torch lock is stale and is removed.
+    """
+    import fcntl
+
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _sources_hash() -> str:

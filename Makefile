@@ -15,11 +15,12 @@ HOST       ?= 127.0.0.1
 PORT       ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-redis serve test test-all lint bench
+.PHONY: help setup setup-redis serve cluster test test-all lint bench
 
 help:
 	@echo "make setup     create .venv and install chatserve[dev], torch (if missing), the default model"
 	@echo "make serve     OpenAI-compatible server + web client with the default model on http://$(HOST):$(PORT)"
+	@echo "make cluster   2 replicas behind vllm-router sharing Redis (CLUSTER_ARGS=...; see README Scaling out)"
 	@echo "make test      fast test suite (needs Redis; started if absent)"
 	@echo "make test-all  full test suite, including tests marked slow"
 	@echo "make lint      ruff over the code, mypy over the torch-free layers (part of make test)"
@@ -34,6 +35,10 @@ setup-redis:
 # The OpenAI-compatible server (SSE streaming, cancel endpoint, sessions, metrics) and the web client at /.
 serve: setup
 	$(PY) -m chatserve serve --host $(HOST) --port $(PORT) $(if $(REDIS_URL),--redis-url $(REDIS_URL)) $(SERVE_ARGS)
+
+# Two replicas behind vLLM's router (cache_aware), sharing Redis at REDIS_URL (started if none answers).
+cluster: setup-redis
+	$(PY) -m chatserve cluster --host $(HOST) --port $(PORT) $(if $(REDIS_URL),--redis-url $(REDIS_URL)) $(CLUSTER_ARGS)
 
 # Lint (ruff, configured in pyproject.toml) and types of the torch-free layers (mypy: cache, core).
 lint: setup

@@ -13,6 +13,7 @@ default, its type and its help text live in one place and a new field gets its f
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -22,6 +23,7 @@ import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from chatserve.config import EngineArgs
@@ -47,6 +49,10 @@ class ServeOptions:
         "help": "log level of chatserve and uvicorn", "aliases": ("--uvicorn-log-level",)})
     shutdown_grace_s: float = field(default=10.0, metadata={
         "help": "on SIGTERM, seconds running streams get to finish before they are aborted"})
+    drain_notice_s: float = field(default=0.0, metadata={
+        "help": "on SIGTERM, seconds /health answers 503 (draining) while the server still listens, before it "
+                "stops accepting connections: a router's health check then moves new requests away first "
+                "(new requests in that window get 503 + Retry-After)"})
 
 
 def _flag_groups() -> tuple[tuple[str, type], ...]:
@@ -207,7 +213,7 @@ def _add_serve_args(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> N
                            help="vLLM's spelling of --kv-cache-memory-gb, in bytes (8G = 8 GiB, 8g = 8e9 bytes)")
 
 
-def _server_class(ctx: Any, grace_s: float) -> type:
+def _server_class(ctx: Any, grace_s: float, notice_s: float = 0.0) -> type:
     import uvicorn
     from sse_starlette.sse import AppStatus
 
@@ -226,6 +232,9 @@ def _server_class(ctx: Any, grace_s: float) -> type:
                 self._captured_signals.clear()
 
         async def shutdown(self, sockets: Any = None) -> None:
+            ctx.accepting = False  # /health is 503 and new requests are refused from here on
+            if notice_s > 0:  # still listening, so a router's health check sees "draining", not a dead socket
+                await asyncio.sleep(notice_s)
             for server in self.servers:
                 server.close()  # no new connections from here on
             await ctx.drain(grace_s)
@@ -252,7 +261,35 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                "value, or none, unsets an optional one); a flag on the command line wins over the environment.",
     )
     _add_serve_args(serve, environ)
+    _add_cluster_args(sub)
     return parser
+
+
+def _add_cluster_args(sub: Any) -> None:
+    """`chatserve cluster [options] [-- serve flags]`: replicas behind vLLM's router (chatserve/cluster.py)."""
+    from typing import get_args
+
+    from chatserve.cluster import ClusterSpec, RouterPolicy
+
+    d = ClusterSpec()
+    cluster = sub.add_parser(
+        "cluster", help="start N replicas behind vllm-router, sharing one Redis",
+        description="Start Redis (if none answers at --redis-url), N `chatserve serve` replicas on consecutive "
+                    "ports and vllm-router in front of them; Ctrl-C or SIGTERM stops every one of them.",
+        epilog="Flags after `--` go to every replica, e.g. `chatserve cluster --replicas 2 -- --dtype float32`.")
+    cluster.add_argument("--replicas", type=int, default=d.replicas, help=f"replica count [default: {d.replicas}]")
+    cluster.add_argument("--host", default=d.host, help=f"address of the router and replicas [default: {d.host}]")
+    cluster.add_argument("--port", type=int, default=d.router_port, help=f"the router's port [default: {d.router_port}]")
+    cluster.add_argument("--first-replica-port", type=int, default=d.first_replica_port,
+                         help=f"port of replica 0; replica i listens on this + i [default: {d.first_replica_port}]")
+    cluster.add_argument("--policy", choices=get_args(RouterPolicy), default=d.policy,
+                         help="vllm-router's policy: cache_aware needs nothing more; sticky_least_loaded keys on "
+                              f"the X-Session-Id header [default: {d.policy}]")
+    cluster.add_argument("--redis-url", default=d.redis_url, help=f"shared Redis [default: {d.redis_url}]")
+    cluster.add_argument("--threads-per-replica", type=int, default=None,
+                         help="torch threads per replica [default: cores / replicas]")
+    cluster.add_argument("--log-dir", type=Path, default=None, help="one log file per process here [default: stdout]")
+    cluster.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then flags for every replica")
 
 
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
@@ -279,12 +316,19 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = options_from_args(ServerSettings, args)
+        if settings.instance_id is None:
+            settings = dataclasses.replace(settings, instance_id=f"{options.host}:{options.port}")
         engine = AsyncLLMEngine.from_engine_args(options_from_args(EngineArgs, args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"chatserve: {exc}", file=sys.stderr)
         return 2
     sessions = make_session_store(options.redis_url)
-    app = create_app(engine, sessions, settings)
+    cancel_bus = None
+    if options.redis_url:
+        from chatserve.server.cancel_bus import CancelBus
+
+        cancel_bus = CancelBus(options.redis_url)
+    app = create_app(engine, sessions, settings, cancel_bus)
     url = f"http://{options.host}:{options.port}"
     print(f"chatserve: serving {app.state.ctx.model_name} at {url}  (web client: {url}/ , API: {url}/v1)", flush=True)
     config = uvicorn.Config(
@@ -295,7 +339,7 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,  # after our own drain (see _server_class)
         timeout_keep_alive=30,
     )
-    _server_class(app.state.ctx, options.shutdown_grace_s)(config).run()
+    _server_class(app.state.ctx, options.shutdown_grace_s, options.drain_notice_s)(config).run()
     return 0
 
 
@@ -307,7 +351,23 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 2
     if args.command == "serve":
         return serve(args)
+    if args.command == "cluster":
+        return cluster(args)
     return 2
+
+
+def cluster(args: argparse.Namespace) -> int:
+    from chatserve.cluster import ClusterSpec, serve_cluster
+
+    serve_args = tuple(a for i, a in enumerate(args.serve_args) if not (i == 0 and a == "--"))
+    spec = ClusterSpec(replicas=args.replicas, host=args.host, router_port=args.port,
+                       first_replica_port=args.first_replica_port, policy=args.policy, redis_url=args.redis_url,
+                       threads_per_replica=args.threads_per_replica, serve_args=serve_args, log_dir=args.log_dir)
+    try:
+        return serve_cluster(spec)
+    except RuntimeError as exc:
+        print(f"chatserve cluster: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.engine.input_processor import apply_chat_template as apply_chat_template  # tests and scripts import it here
 from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
 from chatserve.outputs import RequestOutput
-from chatserve.sampling_params import SamplingParams
+from chatserve.sampling_params import SamplingParams, StructuredOutputsParams
+from chatserve.tools import FunctionTool, ToolChoice, parse_tool_calls, tool_grammar
 
 Message = dict[str, str]
 
@@ -52,6 +53,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(processed):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(processed)} prompts")
+        # Grammars too (compiled and cached now): a bad schema is a ValueError naming the field, before anything runs.
+        for params in {id(p): p for p in params_list}.values():
+            self.engine.check_structured_outputs(params)
         return self._run(processed, params_list)
 
     def chat(
@@ -61,18 +65,47 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
+
+        `tools` are OpenAI function tools: they are rendered into the prompt (the model's template if it
+        renders tools, else the shipped xLAM one), `tool_choice` "required" / {"type": "function",
+        "function": {"name": ...}} constrains the reply to well-formed calls ("auto": text or a call),
+        and each output's `tool_calls` holds the calls parsed from its text (`chatserve.tools.ToolCall`).
+        """
         if not messages:
             raise ValueError("messages is empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         processor = self.engine.input_processor
+        specs = [FunctionTool.from_openai(t) for t in tools or []]
+        choice = ToolChoice.from_openai(tool_choice)
+        if choice.mode == "named" and not choice.allowed(specs):
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")
+        offered = [t.to_template() for t in specs] if choice.allowed(specs) else None
         prompts = [
             processor.process({"prompt_token_ids": processor.render_chat(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)})
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=offered,
+                **(chat_template_kwargs or {}))})
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        if not offered:
+            return self.generate(prompts, sampling_params)
+        fmt = processor.tool_rendering(chat_template).format
+        grammar = tool_grammar(fmt, specs, choice, parallel_tool_calls)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if grammar is not None:
+            params_list = [_with_grammar(p, grammar) for p in params_list]
+        outputs = self.generate(prompts, params_list)
+        names = [t.name for t in choice.allowed(specs)]
+        for out in outputs:
+            for o in out.outputs:
+                o.tool_calls = parse_tool_calls(o.text, fmt, names).tool_calls
+        return outputs
 
     def _run(self, prompts: list[ProcessedPrompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
         engine = self.engine
@@ -99,3 +132,11 @@ class LLM:
             out.outputs.sort(key=lambda o: o.index)
         return results
 
+
+def _with_grammar(params: SamplingParams, grammar: dict[str, Any]) -> SamplingParams:
+    """The tools' grammar, unless the caller constrained the output themselves."""
+    if params.structured_outputs is not None:
+        return params
+    p = params.clone()
+    p.structured_outputs = StructuredOutputsParams(structural_tag=grammar)
+    return p

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+# "error": the request could not go on (e.g. its grammar failed to compile or reached a dead end);
+# CompletionOutput.error says why. Other requests in the batch are unaffected.
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass
@@ -29,6 +31,9 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    error: str | None = None  # set with finish_reason "error": what went wrong, for the user
+    # LLM.chat(..., tools=[...]): the calls parsed from `text` (chatserve.tools.ToolCall); None without tools
+    tool_calls: list[Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +60,15 @@ class RequestStats:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Why the prefix cache stopped where it did, at first admission (chatserve.cache.MissReason):
+    # "none" (a full hit), "new", "evicted" or "diverged" (at token cache_diverged_at).
+    cache_miss_reason: str = "new"
+    cache_diverged_at: int | None = None
+    cache_lease_hit: bool = False  # the hit ended on a session's leased branch
+    session_history_tokens: int | None = None  # a session turn: how many prompt tokens are its stored history
+    # a session turn after its first: did the cache hold the stored history (every whole block of it that
+    # was computed: the last token never is, it was sampled last)? None otherwise
+    session_history_matched: bool | None = None
 
     @property
     def queue_time(self) -> float | None:

@@ -8,9 +8,10 @@ inside a batched sampler step that also carries other users' requests.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 OutputKind = Literal["cumulative", "delta", "final_only"]
 
@@ -41,6 +42,116 @@ def _as_float(name: str, value: object) -> float:
     return result
 
 
+StructuredKind = Literal["json", "regex", "choice", "grammar", "json_object", "structural_tag"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = get_args(StructuredKind)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar, shaped like vLLM's ``StructuredOutputsParams``.
+
+    Exactly one kind is set (else ``ValueError`` naming the fields); the engine compiles it with
+    xgrammar off the step loop, caches the compiled grammar by :meth:`cache_key`, and masks every
+    token the grammar cannot take next. When the grammar is complete the sequence finishes with
+    ``finish_reason="stop"``.
+
+    - ``json``: a JSON Schema (a dict, or its JSON text). The output is one JSON value that validates.
+    - ``regex``: the whole output fullmatches it (xgrammar's regex dialect: no lookaround, no backrefs).
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: EBNF as xgrammar takes it (GBNF-compatible, as llama.cpp's grammars), rule ``root``.
+    - ``json_object``: any JSON value whose top level is an object (OpenAI's ``{"type": "json_object"}``).
+    - ``structural_tag``: xgrammar 0.2.9's structural tag, a dict (or its JSON text) of the shape
+      ``{"type": "structural_tag", "format": FORMAT}`` where FORMAT is one of (nest freely):
+
+      * ``{"type": "const_string", "value": "..."}``
+      * ``{"type": "json_schema", "json_schema": {...schema...}}``
+      * ``{"type": "regex", "pattern": "..."}``, ``{"type": "grammar", "grammar": "root ::= ..."}``
+      * ``{"type": "any_text"}`` (optionally ``"excludes": [...]``)
+      * ``{"type": "sequence", "elements": [FORMAT, ...]}``, ``{"type": "or", "elements": [FORMAT, ...]}``
+      * ``{"type": "tag", "begin": "<tool_call>", "content": FORMAT, "end": "</tool_call>"}``
+        (``end`` may be a list of strings)
+      * ``{"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [TAG, ...],
+        "at_least_one": false, "stop_after_first": false}``: free text until a trigger (a prefix of
+        a tag's ``begin``) appears, then that tag, then free text again; ``at_least_one=true`` forces a
+        call, ``stop_after_first=true`` ends the grammar after the first tag.
+      * ``{"type": "tags_with_separator", "tags": [TAG, ...], "separator": ",", "at_least_one": ..., "stop_after_first": ...}``:
+        only tags (no free text) separated by ``separator``.
+
+      Example for ``tool_choice="auto"`` in SmolLM2's xLAM format (free text, or one call whose
+      arguments follow the function's schema)::
+
+          {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"],
+           "tags": [{"type": "tag", "begin": "<tool_call>",
+                     "content": {"type": "json_schema", "json_schema": CALLS_SCHEMA},
+                     "end": "</tool_call>"}],
+           "stop_after_first": true}}
+
+      The legacy form ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (vLLM's
+      older ``structural_tag`` response format) is accepted too and converted.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: dict[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in STRUCTURED_KINDS if self._is_set(k)]
+        if len(chosen) != 1:
+            got = ", ".join(chosen) if chosen else "none"
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; got {got}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (dict, str)):
+                raise ValueError(f"structured_outputs.{name} must be a dict or a JSON string, got {type(value).__name__}")
+            if isinstance(value, str):
+                try:
+                    json.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.{name}: not valid JSON: {exc}") from None
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must contain only non-empty strings")
+            self.choice = list(self.choice)
+
+    def _is_set(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return value is True if kind == "json_object" else value is not None
+
+    @property
+    def kind(self) -> StructuredKind:
+        """Which of the kinds is set (the field name an error message names)."""
+        return next(k for k in STRUCTURED_KINDS if self._is_set(k))
+
+    @property
+    def spec(self) -> str:
+        """The set kind's value as canonical text (dicts as sorted JSON), so equal specs compare equal."""
+        value = getattr(self, self.kind)
+        if self.kind == "json_object":
+            return ""
+        if self.kind == "choice":
+            return json.dumps(value)
+        if isinstance(value, dict):
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind in ("json", "structural_tag"):
+            return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
+        return str(value)
+
+    def cache_key(self) -> tuple[str, str]:
+        """What the grammar compiler's cache is keyed by: (kind, canonical spec)."""
+        return (self.kind, self.spec)
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request; see the module docstring for why it validates eagerly.
@@ -68,6 +179,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -137,6 +249,16 @@ class SamplingParams:
 
         if self.output_kind not in get_args(OutputKind):
             raise ValueError(f"output_kind must be one of {get_args(OutputKind)}, got {self.output_kind!r}")
+
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams or None, got {type(self.structured_outputs).__name__}"
+            )
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

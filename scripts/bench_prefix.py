@@ -47,10 +47,17 @@ against `tokenizer.apply_chat_template` of the same messages.
       also checks that the shared prefix was computed only once: "duplicate prefix tokens" = prefill
       computed - (all tokens of the first prompt + every other prompt's tokens past the shared full
       blocks); any value > 0 means some request recomputed blocks another request was computing.
+  (c+) burst after warm-up traffic (issue 22): as a server runs, not cold. The cache is emptied, then one
+      unrelated chat (another system prompt: only the template's opening `<|im_start|>system\n` is
+      shared) runs alone, then the burst: N and N/2 users with a new system prompt whose shared prefix
+      (system turn + `<|im_start|>user\n`) ends on a block boundary, and one that ends 7 tokens past
+      one. Reports total time / one request alone (c's cold single), prefill tokens, duplicate prefix
+      tokens and each request's num_cached_tokens; every request but the first should be served the
+      shared prefix less at most one block.
 
 Targets (cache ON; "x" ratios are OFF/ON): hit TTFT median <= 15% of the miss (a); burst of N and of
-N/2 users <= 2.5x one request alone (c); prefill tokens computed reduced >= 5x (a) and >= 4x (c, burst
-of N); hit rate >= 90% (a) and >= 80% (b).
+N/2 users <= 2.5x one request alone (c, and c+ after warm-up traffic); prefill tokens computed reduced
+>= 5x (a) and >= 4x (c, burst of N); hit rate >= 90% (a) and >= 80% (b). --scenarios picks a subset.
 """
 
 from __future__ import annotations
@@ -190,20 +197,25 @@ def _question(i: int, target_tokens: int, tokenizer: Any) -> str:
     return " ".join(words)
 
 
-def build_workload(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Token-id prompts, built identically in every worker."""
+def system_turn(tokenizer: Any, num_tokens: int, seed: int = 1234,
+                header: str = ("You are the archive assistant of a small harbour village. Answer questions using "
+                               "only the background notes below.")) -> tuple[list[int], str]:
+    """The templated system turn rendered to exactly `num_tokens` ids, and its text."""
     head = bc.encode(tokenizer, "<|im_start|>system\n")
     tail = bc.encode(tokenizer, "<|im_end|>\n")
-    n_content = args.system_tokens - len(head) - len(tail)
+    n_content = num_tokens - len(head) - len(tail)
     if n_content < 8:
-        raise SystemExit(f"--system-tokens {args.system_tokens} is too small")
-    header = ("You are the archive assistant of a small harbour village. Answer questions using only the "
-              "background notes below.")
-    text = _text(1234, n_content, tokenizer, header)
+        raise SystemExit(f"a system turn of {num_tokens} tokens is too small")
+    text = _text(seed, n_content, tokenizer, header)
     content_ids = bc.encode(tokenizer, text)[:n_content]
-    system_text = tokenizer.decode(content_ids)
     system_ids = head + content_ids + tail
-    assert len(system_ids) == args.system_tokens
+    assert len(system_ids) == num_tokens
+    return system_ids, tokenizer.decode(content_ids)
+
+
+def build_workload(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Token-id prompts, built identically in every worker."""
+    system_ids, system_text = system_turn(tokenizer, args.system_tokens)
 
     def user_turn(msg: str) -> list[int]:
         return bc.encode(tokenizer, f"<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
@@ -467,6 +479,56 @@ def scenario_burst(d: Driver, work: dict[str, Any], args: argparse.Namespace) ->
     return res
 
 
+def _shared_len(prompts: list[list[int]]) -> int:
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != prompts[0][i] for p in prompts[1:]):
+            return i
+    return n
+
+
+def scenario_burst_after_warmup(d: Driver, work: dict[str, Any], args: argparse.Namespace, tokenizer: Any,
+                                single_s: float | None) -> dict[str, Any]:
+    """(c+): bursts on a server that has already served an unrelated chat (template opening cached)."""
+    bs = d.block_size
+    user_head = len(bc.encode(tokenizer, "<|im_start|>user\n"))
+    warm_sys, _ = system_turn(tokenizer, args.system_tokens, seed=99, header="You are a cheerful travel agent.")
+    warm_prompt = warm_sys + bc.encode(tokenizer, "<|im_start|>user\nAny trains to the coast?<|im_end|>\n"
+                                                  "<|im_start|>assistant\n")
+    questions = work["questions"]
+    runs = []
+    for n in args.burst_sizes:
+        for offset in (0, 7):  # the shared prefix ends on a block boundary, or 7 tokens past one
+            target = (args.system_tokens + user_head) // bs * bs + offset
+            sys_ids, _ = system_turn(tokenizer, target - user_head, seed=4321 + offset)
+            prompts = [sys_ids + bc.encode(tokenizer, f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+                       for q in questions[:n]]
+            shared = _shared_len(prompts)
+            d.reset_cache()
+            d.run_batch([warm_prompt], 4)  # the unrelated chat: caches the template opening's block
+            before = d.counters()
+            out = d.run_batch(prompts, args.max_tokens)
+            dt = _delta(before, d.counters())
+            ideal, _ = _ideal(prompts, [warm_prompt], bs)
+            cached = [r["num_cached_tokens"] for r in out["requests"]]
+            ttfts = [r["ttft_s"] for r in out["requests"]]
+            runs.append({
+                "users": n,
+                "shared_prefix_tokens": shared,
+                "on_block_boundary": shared % bs == 0,
+                "total_s": out["total_s"],
+                "ratio_to_single": out["total_s"] / single_s if single_s else None,
+                "ttft_median_s": bc.median(ttfts),
+                "prefill_tokens": dt["num_prefill_tokens_computed"],
+                "ideal_prefill_tokens": ideal,
+                "duplicate_prefix_tokens": dt["num_prefill_tokens_computed"] - ideal,
+                "num_cached_tokens": cached,
+                "all_but_first_served_prefix": all(c >= shared - bs for c in sorted(cached)[1:]),
+                "num_steps": dt["num_steps"],
+            })
+    return {"runs": runs}
+
+
 def worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     import torch
@@ -504,20 +566,31 @@ def worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     d.reset_cache()
     res["warmup_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    res["shared"] = scenario_shared(d, work, args)
-    bc.log(mode, f"(a) shared prompt: miss TTFT {res['shared']['miss_ttft_s']:.3f}s, hit median "
-               f"{res['shared']['hit_ttft_median_s'] or 0:.3f}s, prefill {res['shared']['num_prefill_tokens_computed']}"
-               f" tokens, hit rate {res['shared']['hit_rate']:.1%}  [{time.perf_counter() - t:.1f}s]")
-    t = time.perf_counter()
-    res["multiturn"] = scenario_multiturn(d, work, args, tokenizer)
-    bc.log(mode, f"(b) multi-turn: prefill {res['multiturn']['num_prefill_tokens_computed']} tokens, hit rate "
-               f"{res['multiturn']['hit_rate']:.1%}  [{time.perf_counter() - t:.1f}s]")
-    t = time.perf_counter()
-    res["burst"] = scenario_burst(d, work, args)
-    bc.log(mode, "(c) burst: single {:.2f}s; ".format(res["burst"]["single_s"]) + "; ".join(
-        f"{b['users']} users {b['total_s']:.2f}s ({b['ratio_to_single']:.2f}x), prefill {b['prefill_tokens']}"
-        for b in res["burst"]["bursts"]) + f"  [{time.perf_counter() - t:.1f}s]")
+    if "a" in args.scenario_list:
+        t = time.perf_counter()
+        res["shared"] = scenario_shared(d, work, args)
+        bc.log(mode, f"(a) shared prompt: miss TTFT {res['shared']['miss_ttft_s']:.3f}s, hit median "
+                   f"{res['shared']['hit_ttft_median_s'] or 0:.3f}s, prefill "
+                   f"{res['shared']['num_prefill_tokens_computed']} tokens, hit rate {res['shared']['hit_rate']:.1%}"
+                   f"  [{time.perf_counter() - t:.1f}s]")
+    if "b" in args.scenario_list:
+        t = time.perf_counter()
+        res["multiturn"] = scenario_multiturn(d, work, args, tokenizer)
+        bc.log(mode, f"(b) multi-turn: prefill {res['multiturn']['num_prefill_tokens_computed']} tokens, hit rate "
+                   f"{res['multiturn']['hit_rate']:.1%}  [{time.perf_counter() - t:.1f}s]")
+    if "c" in args.scenario_list or "c+" in args.scenario_list:
+        t = time.perf_counter()
+        res["burst"] = scenario_burst(d, work, args)
+        bc.log(mode, "(c) burst: single {:.2f}s; ".format(res["burst"]["single_s"]) + "; ".join(
+            f"{b['users']} users {b['total_s']:.2f}s ({b['ratio_to_single']:.2f}x), prefill {b['prefill_tokens']}"
+            for b in res["burst"]["bursts"]) + f"  [{time.perf_counter() - t:.1f}s]")
+    if "c+" in args.scenario_list:
+        t = time.perf_counter()
+        res["burst_warm"] = scenario_burst_after_warmup(d, work, args, tokenizer, res["burst"]["single_s"])
+        bc.log(mode, "(c+) burst after warm-up: " + "; ".join(
+            f"{b['users']} users, prefix {b['shared_prefix_tokens']}: {b['total_s']:.2f}s ({b['ratio_to_single']:.2f}x), "
+            f"duplicate {b['duplicate_prefix_tokens']}" for b in res["burst_warm"]["runs"])
+            + f"  [{time.perf_counter() - t:.1f}s]")
     res["warnings"] = d.warnings
     res["peak_rss_mib"] = bc.peak_rss_mib()
     return res
@@ -535,7 +608,7 @@ def _worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
             "--system-tokens", str(args.system_tokens), "--question-tokens", str(args.question_tokens),
             "--mt-conversations", str(args.mt_conversations), "--mt-turns", str(args.mt_turns),
             "--mt-max-tokens", str(args.mt_max_tokens), "--single-repeats", str(args.single_repeats),
-            "--burst-sizes", ",".join(map(str, args.burst_sizes))]
+            "--burst-sizes", ",".join(map(str, args.burst_sizes)), "--scenarios", ",".join(args.scenario_list)]
     if args.model:
         argv += ["--model", args.model]
     return argv
@@ -556,22 +629,29 @@ def evaluate(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> di
         ok = None if value is None else (value <= target if op == "<=" else value >= target)
         checks.append({"name": name, "value": value, "op": op, "target": target, "pass": ok})
 
-    if on:
+    if on and "shared" in on:
         a = on["shared"]
         check("(a) hit TTFT median / miss TTFT", bc.ratio(a["hit_ttft_median_s"], a["miss_ttft_s"]), "<=", 0.15)
         check("(a) hit rate", a["hit_rate"], ">=", 0.90)
+    if on and "multiturn" in on:
         check("(b) hit rate", on["multiturn"]["hit_rate"], ">=", 0.80)
+    if on and "burst" in on:
         for b in on["burst"]["bursts"]:
             check(f"(c) burst of {b['users']} / one request alone", b["ratio_to_single"], "<=", 2.5)
-    if on and off:
+    if on and "burst_warm" in on:
+        for b in on["burst_warm"]["runs"]:
+            check(f"(c+) after warm-up, burst of {b['users']}, prefix {b['shared_prefix_tokens']} / one request alone",
+                  b["ratio_to_single"], "<=", 2.5)
+    if on and off and "shared" in on and "shared" in off:
         check("(a) prefill tokens computed OFF/ON", bc.ratio(off["shared"]["num_prefill_tokens_computed"],
                                                          on["shared"]["num_prefill_tokens_computed"]), ">=", 5.0)
+    if on and off and "burst" in on and "burst" in off:
         b_on, b_off = on["burst"]["bursts"][0], off["burst"]["bursts"][0]
         check(f"(c) prefill tokens computed OFF/ON (burst of {b_on['users']})",
               bc.ratio(b_off["prefill_tokens"], b_on["prefill_tokens"]), ">=", 4.0)
     # Same greedy outputs with and without the cache?
     agree: dict[str, Any] = {}
-    if on and off:
+    if on and off and "shared" in on and "shared" in off and "multiturn" in on and "multiturn" in off:
         a_on, a_off = on["shared"]["token_ids"], off["shared"]["token_ids"]
         agree["shared_same_outputs"] = sum(x == y for x, y in zip(a_on, a_off))
         agree["shared_total"] = len(a_on)
@@ -621,6 +701,12 @@ def format_report(results: dict[str, dict[str, Any]], ev: dict[str, Any], args: 
         row(f"(c) burst {size} users: prefill tokens", ("burst", "bursts", i, "prefill_tokens"), "{:d}")
         row(f"(c) burst {size} users: duplicate prefix tokens", ("burst", "bursts", i, "duplicate_prefix_tokens"),
             "{:d}", ratio=False)
+    for i, b in enumerate((on.get("burst_warm") or off.get("burst_warm") or {}).get("runs", [])):
+        label = f"(c+) after warm-up, {b['users']} users, prefix {b['shared_prefix_tokens']}"
+        row(f"{label}: total (s)", ("burst_warm", "runs", i, "total_s"))
+        row(f"{label}: / one alone", ("burst_warm", "runs", i, "ratio_to_single"), "{:.2f}x", ratio=False)
+        row(f"{label}: prefill tokens", ("burst_warm", "runs", i, "prefill_tokens"), "{:d}")
+        row(f"{label}: duplicate prefix tokens", ("burst_warm", "runs", i, "duplicate_prefix_tokens"), "{:d}", ratio=False)
     row("load time (s)", ("load_s",), "{:.2f}", ratio=False)
     row("peak RSS (MiB)", ("peak_rss_mib",), "{:.0f}", ratio=False)
     lines.append(bc.markdown_table(rows))
@@ -662,6 +748,9 @@ def format_report(results: dict[str, dict[str, Any]], ev: dict[str, Any], args: 
             if mode == "on" and sc and extra > 0:
                 lines.append(f"WARNING (on): {label} computed {extra} prefill tokens more than a perfect block-granular "
                              f"prefix cache would ({sc['ideal_prefill_tokens']}).")
+        for b in (r.get("burst_warm") or {}).get("runs", []):
+            lines.append(f"({mode}) (c+) {b['users']} users, shared prefix {b['shared_prefix_tokens']}: num_cached_tokens "
+                         f"{b['num_cached_tokens']}")
         for b in (r.get("burst") or {}).get("bursts", []):
             if mode == "on" and b["duplicate_prefix_tokens"] > 0:
                 lines.append(f"WARNING (on): burst of {b['users']} computed {b['duplicate_prefix_tokens']} tokens "
@@ -696,6 +785,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--single-repeats", type=int, default=3, help="runs of the lone cold request in (c); median")
     p.add_argument("--burst-sizes", default=None,
                    help="comma-separated user counts for (c) (default: N and N/2, e.g. 16,8)")
+    p.add_argument("--scenarios", default="a,b,c,c+", help="which scenarios to run: a,b,c,c+ (default all)")
     p.add_argument("--json", default=None, help="write all results to this path")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker subprocess")
     p.add_argument("--in-process", action="store_true", help="run both modes in this process (no subprocesses)")
@@ -711,6 +801,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not modes or any(m not in MODES for m in modes):
         p.error("--modes takes on, off or on,off")
     args.mode_list = modes
+    args.scenario_list = [x.strip() for x in args.scenarios.split(",") if x.strip()]
+    if not args.scenario_list or any(x not in ("a", "b", "c", "c+") for x in args.scenario_list):
+        p.error("--scenarios takes a comma-separated subset of a, b, c, c+")
     if min(args.num_requests, args.max_tokens, args.mt_conversations, args.mt_turns, args.mt_max_tokens,
            args.single_repeats, args.threads) < 1:
         p.error("counts must be >= 1")

@@ -448,13 +448,15 @@ class Runner:
         return "/v1/chat/completions", {**self._sampling(max_tokens), "messages": messages}
 
     # -- streaming ----------------------------------------------------------------------------------
-    async def stream(self, path: str, body: dict[str, Any], res: RequestResult, spec: RequestSpec) -> None:
-        """POST, read SSE, time every chunk with text. Fills res; never raises for HTTP-level failures."""
+    async def stream(self, path: str, body: dict[str, Any], res: RequestResult, spec: RequestSpec,
+                     session_id: str | None = None) -> None:
+        """POST, read SSE, time every chunk with text. Fills res; never raises for HTTP-level failures.
+        A session turn carries X-Session-Id, which routers key session affinity on."""
         # NOTE: a UUID: some servers (llama-cpp-python's, via starlette-context) refuse any other
         # X-Request-Id with a bare 400; chatserve takes any printable ASCII id.
         rid = str(uuid.uuid4())
         res.request_id = rid
-        headers = {"X-Request-Id": rid}
+        headers = {"X-Request-Id": rid, **({"X-Session-Id": session_id} if session_id else {})}
         res.start = time.perf_counter()
         last: float | None = None
         abort_at = spec.abort_after_chunks
@@ -563,7 +565,7 @@ class Runner:
             body = self._sampling(spec.max_tokens)
             body.pop("model", None)
             body["content"] = messages[-1]["content"]
-            await self.stream(f"/v1/sessions/{session_id}/messages", body, res, spec)
+            await self.stream(f"/v1/sessions/{session_id}/messages", body, res, spec, session_id)
         else:
             path, body = self.chat_body(messages, spec.max_tokens)
             await self.stream(path, body, res, spec)

@@ -149,7 +149,8 @@ CHAT_FIELDS = {
     "tools": field(st.one_of(st.none(), st.just([])), st.lists(json_values, max_size=2)),
     "tool_choice": field(st.sampled_from([None, "none", "auto"]), st.just("required")),
     "functions": field(st.one_of(st.none(), st.just([])), st.lists(json_values, max_size=1)),
-    "response_format": field(st.sampled_from([None, {"type": "text"}]), st.sampled_from([{"type": "json_object"}, {}])),
+    "response_format": field(st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
+                             st.sampled_from([{"type": "json_schema"}, {}, {"type": "xml"}])),
 }
 valid_prompt = st.one_of(some_text, st.lists(some_text, min_size=1, max_size=2),
                          st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8))

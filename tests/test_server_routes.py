@@ -86,7 +86,7 @@ async def wait_for(predicate: Any) -> None:
     ({**CHAT, "top_k": 2**40}, "top_k", None),
     ({**CHAT, "min_tokens": 300}, "min_tokens", "room left"),
     ({**CHAT, "logit_bias": {"1": 1.0}}, "logit_bias", "logit_bias"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools", "tools"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "stream_options"),
     ({"messages": [{"role": "user", "content": "x"}] * 40}, "messages", "at most 32 messages"),
 ])
@@ -212,7 +212,10 @@ async def test_chat_reply_shape_usage_and_n(engine) -> None:
     (req,) = engine.requests
     assert body["usage"] == {"prompt_tokens": req.prompt.num_tokens, "completion_tokens": 2 * n_reply,
                              "total_tokens": req.prompt.num_tokens + 2 * n_reply,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0},
+                             # our extension, always there (the fake engine never admits through a cache)
+                             "chatserve": {"matched_tokens": 0, "miss_reason": "new", "diverged_at": None,
+                                           "lease_hit": False, "session_history_matched": None}}
 
 
 async def test_chat_stream_framing_without_and_with_usage(engine) -> None:
@@ -463,19 +466,12 @@ async def test_null_for_every_optional_field_means_its_default(engine) -> None:
 
 
 # ---- known but unsupported fields: a 400 naming the field, never silently ignored ----------------
+# (tools, tool_choice, response_format, structured_outputs and guided_* are served: tests/test_tools.py)
 REFUSED = [
-    ("/v1/chat/completions", "structured_outputs", {"json": {"type": "object"}}),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "guided_regex", "[a-z]+"),
-    ("/v1/chat/completions", "guided_choice", ["yes", "no"]),
-    ("/v1/chat/completions", "guided_grammar", "root ::= 'a'"),
-    ("/v1/chat/completions", "guided_decoding_backend", "xgrammar"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("/v1/chat/completions", "guided_whitespace_pattern", r"\s*"),
     ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", "required"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/chat/completions", "logit_bias", {"1": 5}),
     ("/v1/chat/completions", "use_beam_search", True),
@@ -484,14 +480,10 @@ REFUSED = [
     ("/v1/chat/completions", "bad_words", ["x"]),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "reasoning_effort", "high"),
-    ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "structured_outputs", {"regex": "a+"}),
-    ("/v1/completions", "response_format", {"type": "json_object"}),
     ("/v1/completions", "suffix", "and then"),
     ("/v1/completions", "logit_bias", {"1": 5}),
-    ("session", "guided_choice", ["a"]),
     ("session", "chat_template_kwargs", {"enable_thinking": True}),
-    ("session", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("session", "chat_template", "{{ messages }}"),
 ]
 
 
@@ -523,15 +515,6 @@ async def test_neutral_values_of_refused_fields_are_accepted(engine) -> None:
         tool_none = await client.post("/v1/chat/completions", json={**CHAT, "tool_choice": "none"})
     assert resp.status_code == 200, resp.text
     assert tool_none.status_code == 200, tool_none.text
-
-
-async def test_tool_calls_in_the_history_are_refused_by_message_index(engine) -> None:
-    history = [{"role": "user", "content": "Hi"},
-               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                                      "function": {"name": "f", "arguments": "{}"}}]}]
-    async with client_for(engine) as client:
-        resp = await client.post("/v1/chat/completions", json={"messages": history})
-    assert_error(resp, 400, param="messages.1.tool_calls", code="unsupported_field")
 
 
 # ---- non-text content parts -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -234,10 +235,103 @@ async def test_messages_and_token_history_round_trip(store: SessionStore) -> Non
         "finish_reason": "abort",
         "usage": messages[3].usage,
         "created_at": int(messages[3].created_at),
+        "stats": None,
     }
     session, same_messages = await store.get_with_messages(s.id)  # type: ignore[misc]
     assert session.num_turns == 3 and same_messages == messages
     assert session.system_prompt == "sys"
+
+
+async def _three_turns(store: SessionStore, **create: Any) -> tuple[str, list[list[int]]]:
+    """A session of three turns whose replies record their token offsets; returns the history after each."""
+    s = await store.create(**create)
+    history: list[int] = []
+    ends: list[list[int]] = []
+    for i in range(3):
+        prompt = history + [100 + i, 101 + i]
+        history = prompt + [200 + i, 201 + i, 202 + i]
+        user, assistant = _turn(i)
+        assistant.prompt_end, assistant.history_end = len(prompt), len(history)
+        assistant.stats = {"ttft_s": 0.01 * (i + 1), "decode_tokens_per_s": 50.0, "cached_tokens": i}
+        await store.append_turn(s.id, user, assistant, history, expected_num_turns=i)
+        ends.append(list(history))
+    return s.id, ends
+
+
+async def test_fork_keeps_the_exact_token_history_of_the_kept_turns(store: SessionStore) -> None:
+    sid, ends = await _three_turns(store, system_prompt="sys", metadata={"title": "t"}, defaults={"temperature": 0.3})
+    await store.update(sid, title="Source")
+    source_messages = await store.get_messages(sid)
+    for keep in range(4):
+        fork = await store.fork(sid, keep)
+        assert fork.id != sid and fork.num_turns == keep
+        assert fork.forked_from == {"session_id": sid, "turn": keep}
+        assert (fork.system_prompt, fork.defaults, fork.metadata, fork.title) == ("sys", {"temperature": 0.3}, {"title": "t"},
+                                                                                  "Source")
+        assert await store.get(fork.id) == fork
+        assert await store.get_messages(fork.id) == source_messages[: 2 * keep]
+        assert await store.get_history_tokens(fork.id) == (ends[keep - 1] if keep else [])
+    # The stats of each reply travel with it.
+    assert (await store.get_messages(sid))[3].stats == {"ttft_s": 0.02, "decode_tokens_per_s": 50.0, "cached_tokens": 1}
+
+    # A fork is a session of its own: a turn on it leaves the source as it was.
+    branch = await store.fork(sid, 1, title="Branch", metadata={"branch_at": 2})
+    assert (branch.title, branch.metadata) == ("Branch", {"branch_at": 2})
+    user, assistant = _turn(9)
+    await store.append_turn(branch.id, user, assistant, ends[0] + [5, 6], expected_num_turns=1)
+    assert await store.get_history_tokens(sid) == ends[2]
+    assert await store.get_messages(sid) == source_messages
+    assert (await store.get_messages(branch.id))[-1].content == "answer 9"
+
+    for bad in (-1, 4, True, 1.0, "1"):
+        with pytest.raises(SessionValidationError, match="keep_turns"):
+            await store.fork(sid, bad)  # type: ignore[arg-type]
+    with pytest.raises(SessionValidationError, match="title"):
+        await store.fork(sid, 1, title="x" * 201)
+    with pytest.raises(SessionNotFound):
+        await store.fork("sess_" + "0" * 25, 0)
+    with pytest.raises(SessionNotFound):
+        await store.fork("not-an-id", 0)
+    assert len((await store.list(limit=100)).sessions) == 1 + 4 + 1  # the refused forks stored nothing
+
+
+async def test_replace_last_turn_regenerates_in_place(store: SessionStore) -> None:
+    sid, ends = await _three_turns(store)
+    before = await store.get_messages(sid)
+    user = before[4]
+    new_reply = Message("assistant", "another answer", "stop", prompt_end=len(ends[1]) + 2, history_end=len(ends[1]) + 3)
+    history = ends[1] + [102, 103, 999]
+    updated = await store.append_turn(sid, user, new_reply, history, expected_num_turns=3, replace_last_turn=True)
+    assert updated.num_turns == 3
+    messages = await store.get_messages(sid)
+    assert messages[:4] == before[:4] and messages[4] == user and messages[5].content == "another answer"
+    assert len(messages) == 6
+    assert await store.get_history_tokens(sid) == history
+    with pytest.raises(SessionBusy):  # the guard holds for a replacement too
+        await store.append_turn(sid, user, new_reply, history, expected_num_turns=2, replace_last_turn=True)
+    empty = await store.create()
+    with pytest.raises(SessionValidationError, match="no stored turn"):
+        await store.append_turn(empty.id, user, new_reply, [1], replace_last_turn=True)
+    assert await _state(store, empty.id) == (0, [], [])
+
+
+async def test_update_renames_and_sets_defaults(store: SessionStore) -> None:
+    s = await store.create(metadata={"a": 1}, defaults={"top_k": 5})
+    assert s.title is None and s.forked_from is None
+    renamed = await store.update(s.id, title="Plans for Tuesday ✓")
+    assert renamed.title == "Plans for Tuesday ✓" and renamed.metadata == {"a": 1} and renamed.defaults == {"top_k": 5}
+    assert renamed.updated_at >= s.updated_at
+    assert await store.get(s.id) == renamed
+    changed = await store.update(s.id, defaults={"temperature": 0.5, "seed": 3}, metadata={"b": [1, 2]})
+    assert changed.title == "Plans for Tuesday ✓" and changed.defaults == {"temperature": 0.5, "seed": 3}
+    assert changed.metadata == {"b": [1, 2]}
+    assert (await store.update(s.id, title=None)).title is None
+    for bad in ({"title": 3}, {"title": "x" * 201}, {"metadata": {"x": float("nan")}}, {"defaults": {"x": object()}}):
+        with pytest.raises(SessionValidationError):
+            await store.update(s.id, **bad)  # type: ignore[arg-type]
+    assert (await store.get(s.id)).defaults == {"temperature": 0.5, "seed": 3}  # type: ignore[union-attr]
+    with pytest.raises(SessionNotFound):
+        await store.update("sess_" + "0" * 25, title="x")
 
 
 async def test_failed_append_writes_nothing(store: SessionStore) -> None:
@@ -506,6 +600,23 @@ async def test_all_keys_share_the_ttl_and_index_is_pruned(redis_store: RedisSess
         assert client.zrange(f"{redis_store.prefix}sessions", 0, -1) == [s.id.encode()]
         assert client.zrange(f"{redis_store.prefix}sessions:expiry", 0, -1) == [s.id.encode()]
         assert [key for d in dying for key in client.keys(f"{redis_store.prefix}session:{d.id}*")] == []
+
+
+async def test_forked_keys_share_the_ttl_and_go_with_delete(redis_store: RedisSessionStore, redis_url: str) -> None:
+    s = await redis_store.create(ttl_seconds=30)
+    await redis_store.append_turn(s.id, *_turn(1), [1, 2])
+    fork = await redis_store.fork(s.id, 1)
+    empty = await redis_store.fork(s.id, 0)
+    with redis.Redis.from_url(redis_url) as client:
+        k = redis_store.keys(fork.id)
+        ttls = [client.pttl(key) for key in (k.session, k.messages, k.tokens)]
+        assert all(29_000 < t <= 30_000 for t in ttls), ttls
+        assert client.exists(redis_store.keys(empty.id).tokens) == 0  # no history yet: no key at all
+        assert 29_000 < client.pttl(redis_store.keys(empty.id).session) <= 30_000
+        await redis_store.update(fork.id, title="renamed")
+        assert all(29_000 < client.pttl(key) <= 30_000 for key in (k.session, k.messages, k.tokens))
+        assert await redis_store.delete(fork.id)
+        assert client.keys(f"{redis_store.prefix}session:{fork.id}*") == []
 
 
 async def test_outage_raises_unavailable_fast_then_recovers(own_redis: RedisProcess) -> None:

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from .allocator import BlockAllocator, OutOfBlocksError, RefCountError
-from .prefix_cache import CacheStats, InsertResult, MatchResult, NoPrefixCache, PartialMatch, PrefixCache
+from .leases import LeaseInfo
+from .prefix_cache import (
+    CacheStats,
+    InsertResult,
+    MatchResult,
+    MissExplanation,
+    MissReason,
+    NoPrefixCache,
+    PartialMatch,
+    PrefixCache,
+)
 from .radix_tree import RadixPrefixCache
 
 __all__ = [
@@ -17,13 +30,18 @@ __all__ = [
     "PartialMatch",
     "InsertResult",
     "CacheStats",
+    "MissExplanation",
+    "MissReason",
+    "LeaseInfo",
     "make_prefix_cache",
 ]
 
 
-def make_prefix_cache(enable_prefix_caching: bool, allocator: BlockAllocator, block_size: int) -> PrefixCache:
+def make_prefix_cache(
+    enable_prefix_caching: bool, allocator: BlockAllocator, block_size: int, clock: Callable[[], float] = time.monotonic
+) -> PrefixCache:
     """The radix tree when prefix caching is on, else a cache that caches nothing
-    behind the same interface (so the engine has one code path)."""
+    behind the same interface (so the engine has one code path). ``clock``: lease expiry times."""
     if enable_prefix_caching:
-        return RadixPrefixCache(allocator, block_size)
+        return RadixPrefixCache(allocator, block_size, clock=clock)
     return NoPrefixCache(allocator, block_size)

@@ -28,11 +28,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from .allocator import BlockAllocator
+from .leases import LeaseInfo
 
-__all__ = ["MatchResult", "PartialMatch", "InsertResult", "CacheStats", "PrefixCache", "NoPrefixCache"]
+__all__ = [
+    "MatchResult", "PartialMatch", "InsertResult", "CacheStats", "MissExplanation", "MissReason", "PrefixCache",
+    "NoPrefixCache",
+]
+
+MissReason = Literal["none", "new", "evicted", "diverged"]
+"""Why the first uncached prompt token was not cached: ``none`` (nothing missed but the last
+token, which is always computed), ``new`` (the tree never held this continuation, as far as it
+remembers), ``evicted`` (it held this block's prefix recently and evicted it), ``diverged`` (the
+tree holds a sequence that agrees with the prompt up to some token k > 0 and then continues
+differently: a re-templated history, an edited turn)."""
 
 
 class MatchResult(NamedTuple):
@@ -71,12 +82,25 @@ class InsertResult(NamedTuple):
 class CacheStats(NamedTuple):
     """Block counts. ``locked``: tree blocks on a path locked by some request.
     ``evictable``: tree blocks not locked (held only by the tree when the
-    engine follows the lock contract). Tree blocks = locked + evictable."""
+    engine follows the lock contract). Tree blocks = locked + evictable.
+    ``leased``: tree blocks on a path a live lease protects (locked or not;
+    leased blocks are still evictable, last)."""
 
     total: int
     free: int
     evictable: int
     locked: int
+    leased: int = 0
+
+
+class MissExplanation(NamedTuple):
+    """Why a lookup stopped where it did (see ``PrefixCache.explain_miss``)."""
+
+    reason: MissReason
+    diverged_at: int | None
+    """For ``diverged``: the index of the first prompt token the cached sequence disagrees with."""
+    leased: bool
+    """The matched prefix ends on a leased branch (a hit the lease protected)."""
 
 
 class PrefixCache(ABC):
@@ -88,6 +112,7 @@ class PrefixCache(ABC):
         self.allocator = allocator
         self.block_size = block_size
         self.num_evicted_blocks = 0  # for metrics; stays 0 when nothing is cached
+        self.num_leased_evicted_blocks = 0  # of those, taken from leased branches (nothing else was left)
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
@@ -128,6 +153,37 @@ class PrefixCache(ABC):
     @abstractmethod
     def stats(self) -> CacheStats:
         """Block counts, O(1)."""
+
+    # ---- why a request missed ------------------------------------------------------------------
+
+    @abstractmethod
+    def explain_miss(self, token_ids: Sequence[int], num_matched: int) -> MissExplanation:
+        """Why ``token_ids[num_matched]`` is not cached, right after ``match_prefix`` (and
+        ``match_partial``) matched ``num_matched`` tokens of ``token_ids``. No side effect."""
+
+    @abstractmethod
+    def peek_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens (whole blocks) of ``token_ids`` are cached, without touching
+        LRU order: for reports, not for admission."""
+
+    # ---- leases ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def set_lease(self, key: str, node: object, seconds: float) -> None:
+        """Protect the root->node path for ``seconds`` under ``key`` (a session id), replacing
+        ``key``'s earlier lease. ``seconds <= 0`` only releases the earlier one."""
+
+    @abstractmethod
+    def release_lease(self, key: str) -> bool:
+        """End ``key``'s lease now (its branch becomes plain LRU); False if it had none."""
+
+    @abstractmethod
+    def expire_leases(self, now: float | None = None) -> int:
+        """End every lease due by ``now`` (default: the cache's clock); return how many ended."""
+
+    @abstractmethod
+    def lease_info(self, key: str) -> LeaseInfo | None:
+        """``key``'s live lease: tokens it protects and when it ends; None if none."""
 
     @abstractmethod
     def check_integrity(
@@ -190,6 +246,24 @@ class NoPrefixCache(PrefixCache):
     def stats(self) -> CacheStats:
         a = self.allocator
         return CacheStats(total=a.num_total, free=a.num_free, evictable=0, locked=0)
+
+    def explain_miss(self, token_ids: Sequence[int], num_matched: int) -> MissExplanation:
+        return MissExplanation("none" if num_matched >= len(token_ids) else "new", None, False)
+
+    def peek_prefix(self, token_ids: Sequence[int]) -> int:
+        return 0
+
+    def set_lease(self, key: str, node: object, seconds: float) -> None:
+        pass  # nothing is cached, so nothing to protect
+
+    def release_lease(self, key: str) -> bool:
+        return False
+
+    def expire_leases(self, now: float | None = None) -> int:
+        return 0
+
+    def lease_info(self, key: str) -> LeaseInfo | None:
+        return None
 
     def check_integrity(
         self, external_refs: Mapping[int, int] | None = None, pinned_refs: Mapping[int, int] | None = None

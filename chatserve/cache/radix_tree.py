@@ -10,15 +10,24 @@ Eviction takes least-recently-used unlocked leaves from an ``LRUIndex``, so it
 never walks the tree; a leaf may be trimmed from its tail when fewer blocks are
 needed than it holds. ``last_access`` is a counter, not wall time, so tests are
 deterministic.
+
+Leases (``leases.py``) are counted on nodes like locks (``lease_ref``): a leaf
+on a leased path waits in a second index, ordered by lease renewal, that
+eviction reaches only once the plain LRU index is empty. Evicted blocks leave
+their prefix hash in a bounded ``EvictionRecord``, so ``explain_miss`` can tell
+"evicted" from "new".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from .allocator import BlockAllocator, RefCountError
+from .eviction_record import EvictionRecord, chain_hashes
+from .leases import Lease, LeaseBook, LeaseInfo
 from .lru_index import LRUIndex
-from .prefix_cache import CacheStats, InsertResult, MatchResult, PartialMatch, PrefixCache
+from .prefix_cache import CacheStats, InsertResult, MatchResult, MissExplanation, PartialMatch, PrefixCache
 
 __all__ = ["RadixNode", "RadixPrefixCache"]
 
@@ -33,7 +42,10 @@ class RadixNode:
     # whole root->node path), so a parent that becomes a leaf keeps LRU order.
     """
 
-    __slots__ = ("key", "block_ids", "children", "parent", "lock_ref", "num_own_locks", "last_access")
+    __slots__ = (
+        "key", "block_ids", "children", "parent", "lock_ref", "num_own_locks", "last_access",
+        "lease_ref", "num_own_leases", "lease_stamp",
+    )
 
     def __init__(self, key: tuple[int, ...], block_ids: list[int], parent: RadixNode | None, last_access: int) -> None:
         self.key = key
@@ -44,6 +56,10 @@ class RadixNode:
         self.lock_ref = 0
         self.num_own_locks = 0
         self.last_access = last_access
+        # NOTE: lease_ref == num_own_leases + sum(child.lease_ref): live leases on this node or below.
+        self.lease_ref = 0
+        self.num_own_leases = 0
+        self.lease_stamp = 0  # newest renewal of a lease through this node: leased leaves go oldest first
 
     def __repr__(self) -> str:
         return f"RadixNode(blocks={self.block_ids}, lock_ref={self.lock_ref}, last_access={self.last_access})"
@@ -52,14 +68,27 @@ class RadixNode:
 class RadixPrefixCache(PrefixCache):
     """The prefix cache used when prefix caching is on."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        eviction_memory_blocks: int | None = None,
+    ) -> None:
         super().__init__(allocator, block_size)
         self._root = RadixNode((), [], None, 0)
         self._clock = 0
-        # NOTE: exactly the non-root leaves with lock_ref == 0.
+        # NOTE: exactly the non-root leaves with lock_ref == 0 and lease_ref == 0 (priority last_access) ...
         self._evictable: LRUIndex[RadixNode] = LRUIndex()
+        # ... and those with lock_ref == 0 and lease_ref > 0 (priority lease_stamp): evicted only when the first is empty.
+        self._leased_leaves: LRUIndex[RadixNode] = LRUIndex()
         self._tree_blocks: set[int] = set()
         self._num_locked_blocks = 0
+        self._num_leased_blocks = 0
+        self.now = clock  # lease expiry times are on this clock (seconds)
+        self._leases = LeaseBook()
+        self._evicted = EvictionRecord(eviction_memory_blocks or max(256, 4 * allocator.num_total))
 
     @property
     def root(self) -> RadixNode:
@@ -127,8 +156,7 @@ class RadixPrefixCache(PrefixCache):
                     "only one prefix (is the block table out of sync with its tokens?)"
                 )
             self.allocator.incref(new_ids)  # NOTE: the tree's own reference
-            if not node.children:
-                self._evictable.discard(node)  # no longer a leaf
+            self._unfile(node)  # no longer a leaf
             leaf = RadixNode(tokens[num_cached * bs :], new_ids, node, self._clock)
             node.children[leaf.key[:bs]] = leaf
             self._tree_blocks.update(new_ids)
@@ -171,6 +199,8 @@ class RadixPrefixCache(PrefixCache):
         assert parent is not None and 0 < num_blocks < len(child.block_ids)
         upper = RadixNode(child.key[: num_blocks * bs], child.block_ids[:num_blocks], parent, child.last_access)
         upper.lock_ref = child.lock_ref
+        upper.lease_ref = child.lease_ref  # NOTE: the same leases run through both halves
+        upper.lease_stamp = child.lease_stamp
         child.key = child.key[num_blocks * bs :]
         child.block_ids = child.block_ids[num_blocks:]
         child.parent = upper
@@ -187,8 +217,22 @@ class RadixPrefixCache(PrefixCache):
         while n is not None and n is not self._root:
             n.last_access = self._clock
             n = n.parent
-        if not node.children and node.lock_ref == 0:
-            self._evictable.add(node, self._clock)
+        self._file(node)
+
+    def _file(self, node: RadixNode) -> None:
+        """Put an unlocked leaf in the index eviction takes it from (unleased LRU, or leased by renewal)."""
+        if node is self._root or node.children or node.lock_ref > 0 or node.parent is None:
+            return
+        if node.lease_ref > 0:
+            self._evictable.discard(node)
+            self._leased_leaves.add(node, node.lease_stamp)
+        else:
+            self._leased_leaves.discard(node)
+            self._evictable.add(node, node.last_access)
+
+    def _unfile(self, node: RadixNode) -> None:
+        self._evictable.discard(node)
+        self._leased_leaves.discard(node)
 
     # ---- locking --------------------------------------------------------------
 
@@ -200,7 +244,7 @@ class RadixPrefixCache(PrefixCache):
         while n is not self._root:
             if n.lock_ref == 0:
                 self._num_locked_blocks += len(n.block_ids)
-                self._evictable.discard(n)
+                self._unfile(n)
             n.lock_ref += 1
             n = n.parent  # type: ignore[assignment]
 
@@ -215,8 +259,7 @@ class RadixPrefixCache(PrefixCache):
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self._num_locked_blocks -= len(n.block_ids)
-                if not n.children:
-                    self._evictable.add(n, n.last_access)
+                self._file(n)
             n = n.parent  # type: ignore[assignment]
 
     def _as_node(self, node: object) -> RadixNode:
@@ -231,8 +274,12 @@ class RadixPrefixCache(PrefixCache):
         ref_count = self.allocator.ref_count
         freed = 0
         put_back: list[RadixNode] = []
+        if len(self._leases):
+            self.expire_leases()
         while freed < num_blocks:
-            leaf = self._evictable.pop()
+            # NOTE: unleased LRU leaves first; a leased leaf (oldest renewal first) only once none is left,
+            # so a lease never costs a request its memory.
+            leaf = self._evictable.pop() or self._leased_leaves.pop()
             if leaf is None:
                 break
             ids = leaf.block_ids
@@ -245,6 +292,10 @@ class RadixPrefixCache(PrefixCache):
                 put_back.append(leaf)
                 continue
             victims = ids[len(ids) - k :]
+            self._evicted.add(self._path_hashes(leaf)[len(ids) - k :])
+            if leaf.lease_ref > 0:
+                self._num_leased_blocks -= k
+                self.num_leased_evicted_blocks += k
             if k == len(ids):
                 self._remove_leaf(leaf)
             else:
@@ -256,28 +307,125 @@ class RadixPrefixCache(PrefixCache):
             assert len(released) == k
             freed += k
         for leaf in put_back:
-            self._evictable.add(leaf, leaf.last_access)
+            self._file(leaf)
         self.num_evicted_blocks += freed
         return freed
+
+    def _path_hashes(self, node: RadixNode) -> list[int]:
+        """Chain hashes of the blocks on node's edge (see ``eviction_record.chain_hashes``)."""
+        path: list[RadixNode] = []
+        n: RadixNode | None = node
+        while n is not None and n is not self._root:
+            path.append(n)
+            n = n.parent
+        tokens = [t for x in reversed(path) for t in x.key]
+        hashes = chain_hashes(tokens, self.block_size, len(tokens) // self.block_size)
+        return hashes[len(hashes) - len(node.block_ids) :]
 
     def _remove_leaf(self, leaf: RadixNode) -> None:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         del parent.children[leaf.key[: self.block_size]]
         leaf.parent = None
-        if parent is not self._root and not parent.children and parent.lock_ref == 0:
-            self._evictable.add(parent, parent.last_access)  # NOTE: parents that become leaves are candidates
+        self._unfile(leaf)
+        if leaf.num_own_leases:
+            # NOTE: a lease whose node is evicted keeps protecting what is left of its branch (the
+            # parent already counts it in lease_ref); one left with nothing above the root ends.
+            for lease in self._leases:
+                if lease.node is leaf:
+                    if parent is self._root:
+                        self._leases.pop(lease.key)
+                    else:
+                        lease.node = parent
+                        parent.num_own_leases += 1
+            leaf.num_own_leases = leaf.lease_ref = 0
+        self._file(parent)  # NOTE: parents that become leaves are candidates
 
     def reset(self) -> None:
-        """Evict every unlocked node whose blocks no request holds."""
+        """Evict every unlocked node whose blocks no request holds (leased ones too), and forget
+        what was evicted: a reset starts the next run cold, not "evicted"."""
         self.evict(len(self._tree_blocks))
+        self._evicted.clear()
 
     # ---- introspection --------------------------------------------------------
 
     def stats(self) -> CacheStats:
         a = self.allocator
         locked = self._num_locked_blocks
-        return CacheStats(a.num_total, a.num_free, len(self._tree_blocks) - locked, locked)
+        return CacheStats(a.num_total, a.num_free, len(self._tree_blocks) - locked, locked, self._num_leased_blocks)
+
+    # ---- why a request missed ---------------------------------------------------------------
+
+    def explain_miss(self, token_ids: Sequence[int], num_matched: int) -> MissExplanation:
+        bs = self.block_size
+        whole = num_matched // bs * bs
+        node, ids = self._walk(tuple(token_ids[:whole]))
+        leased = whole > 0 and len(ids) * bs == whole and node.lease_ref > 0
+        if num_matched >= len(token_ids):
+            return MissExplanation("none", None, leased)
+        if whole + bs <= len(token_ids):
+            next_block = chain_hashes(token_ids, bs, whole // bs + 1)[-1]
+            if next_block in self._evicted:
+                return MissExplanation("evicted", None, leased)
+        # NOTE: a cached continuation past the matched point that is not the prompt's: the prompt
+        # departs from a cached sequence there (matching nothing at all is not departing).
+        if num_matched > 0 and len(ids) * bs == whole and node.children:
+            return MissExplanation("diverged", num_matched, leased)
+        return MissExplanation("new", None, leased)
+
+    def peek_prefix(self, token_ids: Sequence[int]) -> int:
+        n = len(token_ids) // self.block_size
+        _, ids = self._walk(tuple(token_ids[: n * self.block_size]))
+        return len(ids) * self.block_size
+
+    # ---- leases ---------------------------------------------------------------------------------
+
+    def set_lease(self, key: str, node: object, seconds: float) -> None:
+        n = self._as_node(node)
+        old = self._leases.pop(key)
+        if seconds > 0 and n is not self._root and self._depth(n) is not None:
+            self._clock += 1
+            self._count_lease(n, +1, self._clock)
+            self._leases.put(Lease(key, n, self.now() + seconds, self._clock))
+        if old is not None:
+            self._count_lease(old.node, -1)  # type: ignore[arg-type]
+
+    def release_lease(self, key: str) -> bool:
+        lease = self._leases.pop(key)
+        if lease is None:
+            return False
+        self._count_lease(lease.node, -1)  # type: ignore[arg-type]
+        return True
+
+    def expire_leases(self, now: float | None = None) -> int:
+        due = self._leases.due(self.now() if now is None else now)
+        for lease in due:
+            self._count_lease(lease.node, -1)  # type: ignore[arg-type]
+        return len(due)
+
+    def lease_info(self, key: str) -> LeaseInfo | None:
+        self.expire_leases()
+        lease = self._leases.get(key)
+        if lease is None:
+            return None
+        depth = self._depth(lease.node)  # type: ignore[arg-type]
+        return LeaseInfo(depth or 0, lease.expires_at)
+
+    def _count_lease(self, node: RadixNode, delta: int, stamp: int | None = None) -> None:
+        """Add (+1) or drop (-1) one lease on the root->node path, keeping the leased-block count."""
+        node.num_own_leases += delta
+        n: RadixNode | None = node
+        while n is not None and n is not self._root:
+            before = n.lease_ref
+            n.lease_ref += delta
+            if before == 0 and n.lease_ref > 0:
+                self._num_leased_blocks += len(n.block_ids)
+            elif before > 0 and n.lease_ref == 0:
+                self._num_leased_blocks -= len(n.block_ids)
+            if stamp is not None:
+                n.lease_stamp = stamp
+            n = n.parent
+        self._file(node)  # NOTE: only the node itself can be a leaf of the path
 
     def check_integrity(
         self, external_refs: Mapping[int, int] | None = None, pinned_refs: Mapping[int, int] | None = None
@@ -295,34 +443,54 @@ class RadixPrefixCache(PrefixCache):
         assert root.parent is None and root.key == () and not root.block_ids and root.lock_ref == 0
         tree_blocks: set[int] = set()
         locked_blocks: set[int] = set()
+        leased_blocks: set[int] = set()
         leaves: set[RadixNode] = set()
+        leased_leaves: set[RadixNode] = set()
+        own_leases: dict[RadixNode, int] = {}
+        self._leases.check_integrity()
+        for lease in self._leases:
+            assert isinstance(lease.node, RadixNode) and lease.node is not root, f"lease {lease.key!r} is on no node"
+            assert self._depth(lease.node) is not None, f"lease {lease.key!r} is on a node that left the tree"
+            own_leases[lease.node] = own_leases.get(lease.node, 0) + 1
+        assert root.lease_ref == 0 and root.num_own_leases == 0, "the root holds a lease"
         stack = [root]
         while stack:
             node = stack.pop()
             child_locks = 0
+            child_leases = 0
             for first, child in node.children.items():
                 assert child.parent is node, f"{child!r} has a wrong parent"
                 assert child.block_ids and len(child.key) == len(child.block_ids) * bs, f"{child!r}: bad key length"
                 assert child.key[:bs] == first, f"{child!r} is filed under the wrong first block"
                 assert node is root or child.last_access <= node.last_access, f"{child!r} is newer than its parent"
                 child_locks += child.lock_ref
+                child_leases += child.lease_ref
                 stack.append(child)
             if node is root:
                 continue
             assert node.last_access <= self._clock
             assert node.num_own_locks >= 0 and node.lock_ref == node.num_own_locks + child_locks, f"{node!r}: lock_ref"
+            assert node.num_own_leases == own_leases.get(node, 0), f"{node!r}: own lease count != leases on it"
+            assert node.lease_ref == node.num_own_leases + child_leases, f"{node!r}: lease_ref"
             for b in node.block_ids:
                 assert b not in tree_blocks, f"block {b} appears twice in the tree"
                 tree_blocks.add(b)
+            if node.lease_ref > 0:
+                leased_blocks.update(node.block_ids)
             if node.lock_ref > 0:
                 locked_blocks.update(node.block_ids)
             elif not node.children:
-                leaves.add(node)
+                (leased_leaves if node.lease_ref > 0 else leaves).add(node)
         assert tree_blocks == self._tree_blocks, "tree block set out of sync"
         assert len(locked_blocks) == self._num_locked_blocks, "locked block count out of sync"
+        assert len(leased_blocks) == self._num_leased_blocks, "leased block count out of sync"
+        self._leased_leaves.check_integrity()
         assert set(self._evictable) == leaves, "evictable-leaf index does not match the tree"
+        assert set(self._leased_leaves) == leased_leaves, "leased-leaf index does not match the tree"
         for leaf in leaves:
             assert self._evictable.priority(leaf) == leaf.last_access, f"{leaf!r}: stale LRU priority"
+        for leaf in leased_leaves:
+            assert self._leased_leaves.priority(leaf) == leaf.lease_stamp, f"{leaf!r}: stale lease priority"
         pinned = pinned_refs or {}
         for b, n in pinned.items():
             # NOTE: a pinned block is the source of a pending copy: it must still be cached

@@ -8,11 +8,15 @@ table; blocks the tree also holds stay alive for the next request.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, get_args
 
-from chatserve.cache import BlockAllocator, MatchResult, PrefixCache, make_prefix_cache
+from chatserve.cache import BlockAllocator, MatchResult, MissExplanation, MissReason, PrefixCache, make_prefix_cache
 from chatserve.core.sequence import Sequence
+
+MISS_REASONS: tuple[str, ...] = get_args(MissReason)
 
 
 class BlockCopy(NamedTuple):
@@ -24,10 +28,12 @@ class BlockCopy(NamedTuple):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size)
+        self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size, clock)
         self.cache_enabled = enable_prefix_caching
         # seq_id -> copy-on-write of a partially matching cached block, not yet done.
         # NOTE: each holds one reference on its src (so eviction cannot free it
@@ -37,6 +43,9 @@ class BlockManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_block_copies = 0  # partially matching blocks copied instead of recomputed
+        self.miss_reasons: Counter[str] = Counter({r: 0 for r in MISS_REASONS})  # per request, at first admission
+        self.lease_hits = 0  # requests whose hit ended on a leased branch
+        self.lease_hit_tokens = 0
 
     @property
     def num_total_blocks(self) -> int:
@@ -106,6 +115,26 @@ class BlockManager:
             self.allocator.decref([c.src for c in copies])
             self.num_block_copies += len(copies)
 
+    def explain_miss(self, seq: Sequence, num_cached: int) -> MissExplanation:
+        """Why seq's lookup stopped at ``num_cached`` tokens; call right after matching (and the
+        partial-block reuse), before anything can be evicted."""
+        return self.cache.explain_miss(seq.token_ids[:-1], num_cached)
+
+    def record_first_admission(self, seq: Sequence, num_cached: int, why: MissExplanation) -> None:
+        """Write the request's one record of its lookup (shared by its n sequences) and count it."""
+        stats = seq.stats
+        stats.num_cached_tokens = num_cached
+        stats.cache_miss_reason = why.reason
+        stats.cache_diverged_at = why.diverged_at
+        stats.cache_lease_hit = why.leased and num_cached > 0
+        history = stats.session_history_tokens
+        if history:
+            stats.session_history_matched = num_cached >= (history - 1) // self.block_size * self.block_size
+        self.miss_reasons[why.reason] += 1
+        if stats.cache_lease_hit:
+            self.lease_hits += 1
+            self.lease_hit_tokens += num_cached
+
     def record_admission(self, seq: Sequence, num_cached: int) -> None:
         """Count a prefix-cache query once per admitted (not deferred) sequence."""
         self.prefix_query_tokens += len(seq.token_ids) - 1
@@ -147,8 +176,12 @@ class BlockManager:
         seq.cache_node = result.node
         seq.num_published_blocks = num_full
 
-    def release(self, seq: Sequence, *, keep_in_cache: bool = True) -> None:
-        """Return seq's blocks: computed full blocks stay in the tree, the rest go free."""
+    def release(self, seq: Sequence, *, keep_in_cache: bool = True, lease: bool = False) -> None:
+        """Return seq's blocks: computed full blocks stay in the tree, the rest go free.
+
+        lease: seq has ended; if it is a session turn, lease its branch for the session's idle time
+        (renewing the previous turn's lease), so unleased traffic is evicted before it.
+        """
         if seq.cache_node is None and not seq.block_table:
             return
         copy = self._pending_copies.pop(seq.seq_id, None)
@@ -157,6 +190,8 @@ class BlockManager:
             self.allocator.decref([copy.src])
         if keep_in_cache:
             self.publish(seq)
+        if lease and keep_in_cache and seq.session is not None and seq.cache_node is not None:
+            self.cache.set_lease(seq.session.session_id, seq.cache_node, seq.session.lease_seconds)
         if seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)
         self.allocator.decref(seq.block_table)

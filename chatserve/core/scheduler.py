@@ -117,6 +117,8 @@ class Scheduler:
                 deferred.append(seq)
                 continue
             cached += self.blocks.reuse_partial_block(seq)
+            first_admission = seq.stats.first_scheduled_time is None  # the request's first (of any of its n)
+            why = self.blocks.explain_miss(seq, cached) if first_admission else None
             n = min(seq.num_uncomputed_tokens, budget, chunk)
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq, keep_in_cache=False)
@@ -124,9 +126,9 @@ class Scheduler:
                 break
             self.blocks.record_admission(seq, cached)
             seq.status = SequenceStatus.RUNNING
-            if seq.stats.first_scheduled_time is None:  # the request's first admission (of any of its n)
+            if why is not None:
                 seq.stats.first_scheduled_time = time.monotonic()
-                seq.stats.num_cached_tokens = cached
+                self.blocks.record_first_admission(seq, cached, why)
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(seq.seq_id)
@@ -135,7 +137,18 @@ class Scheduler:
         return out
 
     def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
-        """Is another running sequence about to compute the block that follows seq's cached prefix?"""
+        """Is another running sequence computing the block that follows seq's cached prefix?
+
+        That block is ``[num_cached, num_cached + block_size)`` of seq's tokens. Another sequence is
+        computing it when its tokens agree that far, it has not finished that block yet, and it
+        will (it has at least that many tokens); it publishes the block as soon as it is full.
+
+        # NOTE: "not finished" is ``num_computed_tokens < end``, whatever the other sequence's
+        # start was: one that began with a token-granular partial hit (a few tokens of a cached
+        # template opening copied into its private block) is *inside* the block, not past it, and
+        # is still the one computing it. Comparing with ``num_cached`` instead let every request
+        # admitted beside such a one prefill the whole shared prefix again (issue 22).
+        """
         if not self.blocks.cache_enabled:
             return False
         end = num_cached + self.blocks.block_size
@@ -143,7 +156,7 @@ class Scheduler:
             return False  # no full uncached block to share
         head = seq.token_ids[:end]
         for other in self.running:
-            if other.num_computed_tokens <= num_cached and other.num_tokens > end and other.token_ids[:end] == head:
+            if other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head:
                 return True
         return False
 
@@ -171,5 +184,5 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        self.blocks.release(seq, keep_in_cache=True)
+        self.blocks.release(seq, keep_in_cache=True, lease=True)
         seq.status = SequenceStatus.FINISHED

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatserve.core.session_kv import SessionKV
 from chatserve.outputs import FinishReason, RequestStats, SampleLogprobs
 from chatserve.sampling_params import SamplingParams
 
@@ -40,13 +41,18 @@ class Sequence:
     cache_node: Any = None  # lock handle in the prefix cache
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why it ended with finish_reason "error"
     generator: Any = None  # a torch.Generator for seeded sampling (core stays torch-free)
+    # NOTE: a structured.SequenceMatcher once the request's grammar is compiled (None: unconstrained).
+    # A constrained sequence reaches the scheduler only after that, so every scheduled one has it.
+    grammar: Any = None
     detokenizer: Any = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
     # NOTE: one record per request, shared by its n sequences (the scheduler writes admission,
     # prefix hit and preemptions into it; the engine the tokens and finish).
     stats: RequestStats = field(default_factory=RequestStats)
+    session: SessionKV | None = None  # a session turn: its branch is leased when it finishes
     # what has been reported to the user already (for delta outputs)
     sent_text_len: int = 0
     sent_token_len: int = 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import time
@@ -35,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from chatserve.core.session_kv import SessionKV
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
 from chatserve.outputs import CompletionOutput, RequestOutput, RequestStats
@@ -137,6 +139,7 @@ class _Stream:
     added: bool = False  # the loop has added it to the LLMEngine
     abort_queued: bool = False
     finished: bool = False  # the final output (or an error) is in the queue
+    session: SessionKV | None = None  # a session turn (its cache branch is leased when it ends)
 
     @property
     def n(self) -> int:
@@ -154,6 +157,8 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
+        # NOTE: a step never blocks waiting for a grammar here: the compile's done-callback wakes the loop.
+        engine.grammar_wait_s = 0.0
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-engine")
         self._streams: dict[str, _Stream] = {}  # live requests: accepted and not yet finished
         self._pending: collections.deque[tuple] = collections.deque()  # ops for the next step boundary
@@ -253,6 +258,22 @@ class AsyncLLMEngine:
         snap["is_healthy"] = self.is_healthy()
         return snap
 
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile (cached) the request's grammar in the compiler's thread, without blocking the event
+        loop or a step; raises StructuredOutputError (a ValueError naming the field, e.g.
+        "structured_outputs.json: invalid JSON schema: ...") so the server can answer 400 first."""
+        if params.structured_outputs is not None:
+            await asyncio.wrap_future(self.engine.structured.submit(params.structured_outputs))
+
+    async def release_kv_lease(self, session_id: str) -> bool:
+        """End a session's KV lease (between steps); False if it held none."""
+        return await self._call_between_steps(functools.partial(self.engine.release_kv_lease, session_id))
+
+    async def session_cache_report(self, session_id: str, history_token_ids: list[int]) -> dict[str, Any]:
+        """What the prefix cache holds of a session (see `LLMEngine.session_cache_report`), read between steps."""
+        return await self._call_between_steps(
+            functools.partial(self.engine.session_cache_report, session_id, history_token_ids))
+
     async def check_integrity(self) -> None:
         """Check the KV-cache invariants between steps; raises AssertionError if one is broken."""
         await self._call_between_steps(self.engine.check_integrity)
@@ -302,6 +323,8 @@ class AsyncLLMEngine:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        session: SessionKV | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Start a request and return an async iterator of its outputs (shaped by `output_kind`).
 
@@ -323,7 +346,10 @@ class AsyncLLMEngine:
         processed = self.engine.input_processor.process(prompt)
         self._ensure_loop()
         stats = RequestStats(num_prompt_tokens=processed.num_tokens)
-        stream = _Stream(request_id=request_id, prompt=processed, params=params, metrics=RequestMetrics(request_id, stats))
+        if session is not None:
+            stats.session_history_tokens = session.history_tokens
+        stream = _Stream(request_id=request_id, prompt=processed, params=params, metrics=RequestMetrics(request_id, stats),
+                         session=session)
         self._streams[request_id] = stream
         self._enqueue(("add", stream))
         return self._iterate(stream)
@@ -368,6 +394,9 @@ class AsyncLLMEngine:
             return
         if not stream.abort_queued:
             stream.abort_queued = True
+            # Also tell the step in flight (it runs on the executor thread): a prefill of only
+            # aborted requests stops at its next layer rather than finishing for nobody.
+            self.engine.request_abort_soon(stream.request_id)
             self._enqueue(("abort", stream))
 
     def _enqueue(self, op: tuple) -> None:
@@ -396,7 +425,7 @@ class AsyncLLMEngine:
                 if self._closing:
                     return
                 if not self.engine.has_unfinished_requests() or idle_steps >= _MAX_IDLE_STEPS:
-                    if idle_steps >= _MAX_IDLE_STEPS:
+                    if idle_steps >= _MAX_IDLE_STEPS and not self.engine.num_waiting_for_grammar:
                         logger.warning("the scheduler can schedule nothing (%s); waiting for an abort", self._stats)
                     idle_steps = 0
                     assert self._wakeup is not None
@@ -435,6 +464,21 @@ class AsyncLLMEngine:
             logger.exception("chatserve engine loop died")
             self._fail(exc)
 
+    def _wake_from_thread(self, loop: asyncio.AbstractEventLoop) -> Callable[[Any], None]:
+        """A done-callback (run on the compiler's thread) that wakes the loop to admit the request."""
+
+        def wake(_future: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:
+                pass  # the event loop is closed: nobody waits for this request any more
+
+        return wake
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
     def _step(self) -> list[RequestOutput]:
         """Runs in the worker thread: one engine step, then a stats snapshot for `stats()`."""
         outputs = self.engine.step()
@@ -453,11 +497,14 @@ class AsyncLLMEngine:
                 if stream.finished:
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(stream.request_id, stream.prompt, stream.params, stats=stream.metrics.stats)
+                    req = self.engine.add_request(stream.request_id, stream.prompt, stream.params, stats=stream.metrics.stats,
+                                                  session=stream.session)
                 except Exception as exc:  # noqa: BLE001 - validated already; refuse this request only
                     self._deliver_error(stream, exc)
                     continue
                 stream.added = True
+                if req.grammar_future is not None:
+                    req.grammar_future.add_done_callback(self._wake_from_thread(asyncio.get_running_loop()))
             elif kind == "abort":
                 stream = op[1]
                 if stream.finished:

@@ -12,7 +12,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from chatserve.tools import HERMES, XLAM, ToolFormat, shipped_tool_template
+
 Message = Mapping[str, Any]
+# A conversation and a tool that only the tool-detection probe renders.
+_PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "chatserve_probe_tool", "description": "probe",
+                                                    "parameters": {"type": "object", "properties": {}}}}]
+
+
+@dataclass(frozen=True)
+class ToolRendering:
+    """How a request with tools is rendered and how its replies spell calls.
+
+    `chat_template` None means the model's own template (it renders `tools`; its calls are assumed
+    Hermes-style, as Qwen2/2.5/3's are); otherwise the shipped xLAM template, for templates that ignore tools."""
+
+    chat_template: str | None
+    format: ToolFormat
+    own_template: bool
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,7 @@ class InputProcessor:
         self.max_model_len_note = max_model_len_note  # why the limit is what it is, e.g. the KV pool
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self._tool_renderings: dict[str, ToolRendering] = {}
 
     def render_chat(
         self,
@@ -95,13 +114,45 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         param: str = "messages",
         **template_kwargs: Any,
     ) -> list[int]:
-        """A conversation's token ids through the chat template; PromptError(param=param) if it cannot render."""
+        """A conversation's token ids through the chat template; PromptError(param=param) if it cannot render.
+
+        With `tools`, or tool calls / tool results in the conversation, the template is the one
+        `tool_rendering` picks (the model's own if it renders tools, else the shipped one)."""
+        if tools or _has_tool_messages(messages):
+            rendering = self.tool_rendering(chat_template)
+            chat_template = rendering.chat_template
+            if tools:
+                template_kwargs["tools"] = [dict(t) for t in tools]
         return apply_chat_template(
             self.tokenizer, messages, add_generation_prompt, chat_template, param=param, **template_kwargs
         )
+
+    def tool_rendering(self, chat_template: str | None = None) -> ToolRendering:
+        """Whether `chat_template` (default: the model's) renders tools, found once per template by
+        rendering a probe conversation with and without a tool and comparing."""
+        key = chat_template or ""
+        found = self._tool_renderings.get(key)
+        if found is None:
+            found = self._detect_tool_rendering(chat_template)
+            self._tool_renderings[key] = found
+        return found
+
+    def _detect_tool_rendering(self, chat_template: str | None) -> ToolRendering:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            return ToolRendering(shipped_tool_template(), XLAM, own_template=False)
+        try:
+            plain = self.tokenizer.apply_chat_template(_PROBE_MESSAGES, tokenize=False, chat_template=chat_template)
+            with_tools = self.tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False,
+                                                            chat_template=chat_template)
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe does not render tools
+            return ToolRendering(shipped_tool_template(), XLAM, own_template=False)
+        if plain != with_tools and "chatserve_probe_tool" in with_tools:
+            return ToolRendering(chat_template, HERMES, own_template=True)
+        return ToolRendering(shipped_tool_template(), XLAM, own_template=False)
 
     def process(
         self, prompt: str | dict[str, Any] | ProcessedPrompt, *, max_tokens: int | None = None, param: str = "prompt"
@@ -162,4 +213,8 @@ class InputProcessor:
             )
 
 
-__all__ = ["InputProcessor", "ProcessedPrompt", "PromptError", "apply_chat_template"]
+def _has_tool_messages(messages: Sequence[Message]) -> bool:
+    return any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls")) for m in messages)
+
+
+__all__ = ["InputProcessor", "ProcessedPrompt", "PromptError", "ToolRendering", "apply_chat_template"]

@@ -7,10 +7,12 @@ globals, so several engines can share one process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,15 +20,17 @@ import torch
 
 from chatserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, resolve_dtype
 from chatserve.core.block_manager import BlockManager
-from chatserve.core.scheduler import Scheduler
+from chatserve.core.scheduler import ScheduledSeq, Scheduler
 from chatserve.core.sequence import Sequence, SequenceStatus
+from chatserve.core.session_kv import SessionKV
 from chatserve.engine.detokenizer import IncrementalDetokenizer
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from chatserve.layers.ops import select_layer_ops
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
-from chatserve.worker.model_runner import ModelRunner
+from chatserve.structured import GrammarCompilerService, SequenceMatcher
+from chatserve.worker.model_runner import ModelRunner, StepInterrupted
 from chatserve.worker.sampler import make_generator
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,9 @@ class Request:
     params: SamplingParams
     stats: RequestStats
     seqs: list[Sequence] = field(default_factory=list)
+    # Set while the request waits for its grammar (structured outputs); its sequences join the
+    # scheduler when it is done. Callers may add_done_callback to learn when to step again.
+    grammar_future: concurrent.futures.Future | None = None
 
     @property
     def finished(self) -> bool:
@@ -100,9 +107,19 @@ class LLMEngine:
             self.block_manager,
         )
         self.requests: dict[str, Request] = {}
+        # Structured outputs: compiled off the step (a worker thread); requests wait here meanwhile.
+        self.structured = GrammarCompilerService(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.waiting_for_grammar: dict[str, Request] = {}
+        # How long step() may block for a grammar when nothing else can run (the offline loop would
+        # spin otherwise). The async engine sets 0: it is woken by the future's callback instead.
+        self.grammar_wait_s = 0.05
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_steps = 0
+        # Ids an abort is coming for (added from any thread, e.g. the async engine's event loop, while a
+        # step runs): a prefill step whose every sequence is in here stops between layers.
+        self.abort_requested: set[str] = set()
+        self.num_interrupted_steps = 0
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
         self.load_seconds = time.perf_counter() - t0
@@ -143,11 +160,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         stats: RequestStats | None = None,
+        session: SessionKV | None = None,
     ) -> Request:
         """Queue a request. A ProcessedPrompt is taken as checked; a str or dict is processed first.
 
         stats: the request's record when the caller started it earlier (the async engine does, at
-        arrival); the engine fills it in place. Raises ValueError (PromptError for the prompt).
+        arrival); the engine fills it in place. session: the request is a session turn (its cache
+        branch is leased when it ends). Raises ValueError (PromptError for the prompt).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -155,6 +174,8 @@ class LLMEngine:
         processed = self.input_processor.process(prompt)
         ids = processed.prompt_token_ids
         stats = stats if stats is not None else RequestStats()
+        if session is not None:
+            stats.session_history_tokens = session.history_tokens
         stats.num_prompt_tokens = len(ids)
         req = Request(request_id, processed.prompt, ids, params, stats)
         for i in range(params.n):
@@ -175,17 +196,90 @@ class LLMEngine:
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 stats=stats,
+                session=session,
             )
             req.seqs.append(seq)
-            self.scheduler.add(seq)
+        spec = params.structured_outputs
+        if spec is None:
+            for seq in req.seqs:
+                self.scheduler.add(seq)
+        else:
+            # NOTE: the waiting-for-grammar state: the sequences join the scheduler only once the
+            # grammar is compiled (`_admit_compiled_grammars`), so nobody's step waits for a compile.
+            req.grammar_future = self.structured.submit(spec)
+            self.waiting_for_grammar[request_id] = req
         self.requests[request_id] = req
         return req
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile (cached) the request's grammar now; raises StructuredOutputError, a ValueError whose
+        message names the field ("structured_outputs.json: invalid JSON schema: ..."). Blocking."""
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return len(self.waiting_for_grammar)
+
+    def _admit_compiled_grammars(self) -> list[RequestOutput]:
+        """Move requests whose grammar is ready into the scheduler (one matcher per sequence); a failed
+        compile finishes its request with finish_reason "error". Returns those final outputs."""
+        outputs: list[RequestOutput] = []
+        for request_id, req in list(self.waiting_for_grammar.items()):
+            future = req.grammar_future
+            assert future is not None
+            if not future.done():
+                continue
+            del self.waiting_for_grammar[request_id]
+            error = future.exception()
+            if error is not None:
+                for seq in req.seqs:
+                    self._finish_with_error(seq, str(error))
+                out = self._make_output(req)
+                self.requests.pop(request_id, None)
+                if out is not None:
+                    outputs.append(out)
+                continue
+            compiled = future.result()
+            for seq in req.seqs:
+                seq.grammar = SequenceMatcher(compiled)
+                self.scheduler.add(seq)
+        return outputs
+
+    def _finish_with_error(self, seq: Sequence, message: str) -> None:
+        seq.finish_reason, seq.error = "error", message
+        if not seq.detokenizer.finished:
+            seq.detokenizer.flush()
+        self.scheduler.finish(seq)
+
+    def request_abort_soon(self, request_id: str) -> None:
+        """Say (from any thread) that an abort of request_id will follow: a prefill step running only
+        such requests stops at its next layer instead of computing the whole chunk for nobody."""
+        self.abort_requested.add(request_id)
+
+    def _interrupt_check(self, scheduled: list[ScheduledSeq]) -> Callable[[], None] | None:
+        """For a step with prefill work: a check, run between layers, that raises StepInterrupted once
+        every request in the step has an abort coming. Why between layers: a long prompt's chunk is
+        one step, and a client that disconnects during it would otherwise wait for all of it
+        (seconds on a CPU); one layer is a small fraction of a step. Decode-only steps are short."""
+        if all(s.is_decode for s in scheduled):
+            return None
+        ids = {s.seq.request_id for s in scheduled}
+        pending = self.abort_requested
+
+        def check() -> None:
+            if ids <= pending:
+                raise StepInterrupted(f"every request of the step is being aborted: {sorted(ids)}")
+
+        return check
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request now with finish_reason 'abort'; idempotent. Returns its final output."""
+        self.abort_requested.discard(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.waiting_for_grammar.pop(request_id, None)  # its compile finishes and is cached; nothing waits on it
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -199,13 +293,26 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._admit_compiled_grammars() if self.waiting_for_grammar else []
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.waiting_for_grammar and self.grammar_wait_s > 0:
+            # Nothing else can run: wait (briefly) for a grammar rather than spin.
+            pending = [r.grammar_future for r in self.waiting_for_grammar.values() if r.grammar_future is not None]
+            concurrent.futures.wait(pending, timeout=self.grammar_wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+            outputs += self._admit_compiled_grammars()
+            sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return outputs
         self.num_steps += 1
         copies = self.block_manager.take_pending_copies()
         try:
-            sampled, result = self.runner.execute(sched.scheduled, copies=copies)
+            sampled, result = self.runner.execute(sched.scheduled, copies=copies,
+                                                  between_layers=self._interrupt_check(sched.scheduled))
+        except StepInterrupted:
+            # Nothing of this step counts: no token computed, no block published (the partly
+            # written KV is in blocks the coming abort frees), no sample drawn.
+            self.num_interrupted_steps += 1
+            return outputs
         finally:
             self.block_manager.finish_copies(copies)
         for s in sched.scheduled:
@@ -226,11 +333,20 @@ class LLMEngine:
             if seq.logprobs is not None and lp is not None:
                 seq.logprobs.append(self._logprob_entry(lp))
                 seq.cumulative_logprob += lp.logprob
-            self._check_stop(seq, token)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                # The mask allows only tokens the grammar takes, so this is a dead end (a bug or a
+                # grammar xgrammar cannot continue): end this request, never the step.
+                spec = seq.params.structured_outputs
+                kind = spec.kind if spec is not None else "grammar"
+                self._finish_with_error(seq, f"structured_outputs.{kind}: the grammar rejected token {token}; generation stopped")
+            else:
+                self._check_stop(seq, token)
+                if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated:
+                    seq.finish_reason = "stop"  # the grammar has ended (e.g. ignore_eos let its stop token through)
+                    seq.detokenizer.flush()
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = []
         for req in touched.values():
             out = self._make_output(req)
             if out is not None:
@@ -306,6 +422,7 @@ class LLMEngine:
                     stop_reason=seq.stop_reason,
                     logprobs=logprobs,
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    error=seq.error,
                 )
             )
         if not outs:
@@ -357,11 +474,31 @@ class LLMEngine:
             return False
         return self.block_manager.reset_prefix_cache()
 
+    def release_kv_lease(self, session_id: str) -> bool:
+        """End a session's KV lease now (the session was deleted): its branch is plain LRU again."""
+        return self.block_manager.cache.release_lease(session_id)
+
+    def session_cache_report(self, session_id: str, history_token_ids: list[int]) -> dict[str, Any]:
+        """What the cache holds of a session's stored history: tokens (whole blocks, not touching LRU
+        order) and its lease (``leased_until`` in unix seconds, None if none)."""
+        cache = self.block_manager.cache
+        info = cache.lease_info(session_id)
+        leased_until = None if info is None else time.time() + (info.expires_at - time.monotonic())
+        return {
+            "cached_tokens": cache.peek_prefix(history_token_ids),
+            "history_tokens": len(history_token_ids),
+            "leased": info is not None,
+            "leased_tokens": 0 if info is None else info.num_tokens,
+            "leased_until": leased_until,
+        }
+
     def stats(self) -> dict[str, Any]:
         cache = self.block_manager.cache.stats()
+        bm = self.block_manager
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_waiting_for_grammar": len(self.waiting_for_grammar),
             "num_total_blocks": cache.total,
             "num_free_blocks": cache.free,
             "num_cached_blocks": cache.evictable,
@@ -369,6 +506,11 @@ class LLMEngine:
             "prefix_cache_queries_tokens": self.block_manager.prefix_query_tokens,
             "prefix_cache_hits_tokens": self.block_manager.prefix_hit_tokens,
             "prefix_cache_evicted_blocks": self.block_manager.cache.num_evicted_blocks,
+            "num_leased_blocks": cache.leased,
+            "prefix_cache_lease_hits": bm.lease_hits,
+            "prefix_cache_lease_hit_tokens": bm.lease_hit_tokens,
+            "prefix_cache_leased_evicted_blocks": bm.cache.num_leased_evicted_blocks,
+            "prefix_cache_miss_reasons": dict(bm.miss_reasons),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,

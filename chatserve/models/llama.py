@@ -7,7 +7,7 @@ matmul each at load time: fewer, larger matmuls are faster on every device.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -109,16 +109,20 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Returns logits (float32) only at `batch.logits_indices`.
 
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        between_layers: called after each layer (the engine's abort check; it may raise to stop).
         """
         h = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, h.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, batch, rope, kv_cache[i, 0], kv_cache[i, 1])
+            if between_layers is not None:
+                between_layers()
         h = (h if residual is None else residual + h).index_select(0, batch.logits_indices)
         if h.shape[0] == 0:  # a step of prefill chunks only: the KV cache is filled, nothing to sample
             return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)

@@ -16,12 +16,14 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from chatserve.engine.async_engine import AsyncLLMEngine
+from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.context import ServerContext
 from chatserve.server.errors import exception_handlers
 from chatserve.server.metrics import ServerMetrics
 from chatserve.server.middleware import AuthAndErrorCount
-from chatserve.server.routes import admin, openai, web
+from chatserve.server.routes import admin, openai, tokens, web
 from chatserve.server.routes import sessions as session_routes
+from chatserve.server.session_header import SessionHeader
 from chatserve.server.settings import ServerSettings
 from chatserve.server.tracker import RequestTracker
 from chatserve.sessions import SessionStore
@@ -30,15 +32,17 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
-               settings: ServerSettings | None = None) -> Starlette:
-    """The whole HTTP surface over one engine. `sessions` None: no session API."""
+               settings: ServerSettings | None = None, cancel_bus: CancelBus | None = None) -> Starlette:
+    """The whole HTTP surface over one engine. `sessions` None: no session API. `cancel_bus`: cancels
+    reach the replica holding the request (several replicas sharing a Redis behind a router)."""
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or engine.model_name
     server_metrics = ServerMetrics(engine.stats, model_name)
     ctx = ServerContext(engine, sessions, settings, server_metrics,
-                        RequestTracker(settings.finished_request_history), model_name)
+                        RequestTracker(settings.finished_request_history), model_name,
+                        chat_template=settings.load_chat_template(), cancel_bus=cancel_bus)
 
-    routes: list[BaseRoute] = [*admin.routes(), *openai.routes()]
+    routes: list[BaseRoute] = [*admin.routes(), *openai.routes(), *tokens.routes()]
     if sessions is not None:
         routes.extend(session_routes.routes())
     if settings.serve_web:
@@ -47,12 +51,16 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        if cancel_bus is not None:
+            await cancel_bus.start(lambda rid: admin.cancel_local(ctx, rid))
         logger.info("chatserve: serving %s", model_name)
         try:
             yield
         finally:
             ctx.accepting = False
             await engine.shutdown()
+            if cancel_bus is not None:
+                await cancel_bus.close()
             for task in list(ctx.background):
                 with contextlib.suppress(BaseException):
                     await task
@@ -62,5 +70,8 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
 
     app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan)
     app.state.ctx = ctx
-    app.add_middleware(AuthAndErrorCount, api_key=settings.api_key, metrics=server_metrics)
+    if sessions is not None:
+        app.add_middleware(SessionHeader)
+    app.add_middleware(AuthAndErrorCount, api_key=settings.api_key, metrics=server_metrics,
+                       instance_id=settings.instance_id)
     return app

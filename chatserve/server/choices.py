@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatserve.server.cache_usage import usage_extension
+
 
 @dataclass
 class ChoiceDelta:
@@ -20,6 +22,7 @@ class ChoiceDelta:
     logprobs: Any  # SampleLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    error: str | None = None  # with finish_reason "error": why this choice could not go on
 
 
 @dataclass
@@ -29,6 +32,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # our extension (`cache_usage.usage_extension`): matched length and why the cache missed
+    chatserve: dict[str, Any] = field(default_factory=lambda: usage_extension([]))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -36,6 +41,7 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "chatserve": self.chatserve,
         }
 
 
@@ -48,6 +54,7 @@ class ChoiceState:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     has_logprobs: bool = False
+    error: str | None = None
 
     @property
     def content(self) -> str:
@@ -70,6 +77,12 @@ class Accumulator:
             c.logprobs.extend(d.logprobs)
         if d.finish_reason:
             c.finish_reason = d.finish_reason
+        if d.error:
+            c.error = d.error
+
+    def first_error(self) -> str | None:
+        """The error of the first choice that ended with finish_reason "error", if any."""
+        return next((c.error or "generation failed" for c in self.choices if c.finish_reason == "error"), None)
 
     def merged_delta(self, index: int) -> ChoiceDelta:
         """One choice's whole output as a single delta (what the non-streaming body formats)."""

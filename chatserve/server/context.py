@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 
 from chatserve.engine.async_engine import AsyncLLMEngine
+from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.errors import APIError
 from chatserve.server.metrics import ServerMetrics
 from chatserve.server.settings import ServerSettings
@@ -39,6 +40,8 @@ class ServerContext:
     background: set[asyncio.Task] = field(default_factory=set)
     accepting: bool = True  # False once shutdown began
     started_at: int = field(default_factory=lambda: int(time.time()))
+    chat_template: str | None = None  # --chat-template's text; None: the model's own
+    cancel_bus: CancelBus | None = None  # cancels for requests other replicas hold (None: local only)
 
     @property
     def max_model_len(self) -> int:

@@ -14,10 +14,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from chatserve.core.session_kv import SessionKV
 from chatserve.engine.async_engine import RequestMetrics
 from chatserve.engine.input_processor import ProcessedPrompt
-from chatserve.outputs import CompletionOutput, RequestOutput
+from chatserve.outputs import CompletionOutput, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
+from chatserve.server.cache_usage import usage_extension
 from chatserve.server.choices import ChoiceDelta, Usage
 from chatserve.server.context import ServerContext
 from chatserve.server.errors import APIError, bad_request
@@ -33,6 +35,8 @@ class Generation:
         request_id: str,
         prompts: list[ProcessedPrompt],
         params: SamplingParams,
+        *,
+        session: SessionKV | None = None,
     ) -> None:
         self.ctx = ctx
         self.request_id = request_id
@@ -52,10 +56,14 @@ class Generation:
         self._done: set[str] = set()
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._cached: dict[str, int] = {}
+        self._stats: dict[str, RequestStats] = {}  # each engine request's record (for usage.chatserve)
         try:
             for eid, prompt in zip(engine_ids, prompts):
                 # A ProcessedPrompt is not validated again: the route's input_processor.process did it.
-                self._streams.append(ctx.engine.generate(prompt, params.clone(), request_id=eid))
+                if session is None:
+                    self._streams.append(ctx.engine.generate(prompt, params.clone(), request_id=eid))
+                else:
+                    self._streams.append(ctx.engine.generate(prompt, params.clone(), request_id=eid, session=session))
         except ValueError as exc:  # e.g. an engine id still live from an earlier request
             self._abandon()
             raise bad_request(str(exc), param="prompt") from None
@@ -110,6 +118,7 @@ class Generation:
         eid = out.request_id
         if out.num_cached_tokens and eid not in self._cached:
             self._cached[eid] = out.num_cached_tokens
+        self._stats.setdefault(eid, out.stats)
         new_tokens = sum(len(o.token_ids) for o in out.outputs)
         if new_tokens:
             last = self._last_time.get(eid)
@@ -125,7 +134,8 @@ class Generation:
 
     @staticmethod
     def _delta(base: int, o: CompletionOutput) -> ChoiceDelta:
-        return ChoiceDelta(base + o.index, o.text, list(o.token_ids), o.logprobs, o.finish_reason, o.stop_reason)
+        return ChoiceDelta(base + o.index, o.text, list(o.token_ids), o.logprobs, o.finish_reason, o.stop_reason,
+                           getattr(o, "error", None))
 
     def _settle(self, eid: str) -> None:
         """An engine request ended (its final output was seen or its abort returned): count it once."""
@@ -140,6 +150,7 @@ class Generation:
     def _complete_if_done(self) -> None:
         if self.finished:
             self.usage.cached_tokens = sum(self._cached.values())
+            self.usage.chatserve = usage_extension([self._stats.get(eid) for eid in self.engine_ids])
             self.ctx.tracker.finish(self.record)
 
     def _account(self, eid: str, m: RequestMetrics) -> None:
@@ -147,6 +158,7 @@ class Generation:
             return
         if m.num_cached_tokens and eid not in self._cached:
             self._cached[eid] = m.num_cached_tokens
+        self._stats.setdefault(eid, m.stats)
         self.record.absorb(eid, m)
         abort_reason = self.record.abort_reason if m.finish_reason == "abort" else None
         self.ctx.metrics.observe_finished(m, m.finish_reason, abort_reason)

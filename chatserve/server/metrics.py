@@ -60,6 +60,21 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Sequences preempted (recomputed later).", s.get("num_preemptions", 0))
         yield counter("prefill_tokens_computed", "Prompt tokens actually computed (cache hits excluded).",
                       s.get("num_prefill_tokens_computed", 0))
+        misses = CounterMetricFamily("chatserve:prefix_cache_miss_reason",
+                                     "Requests by why the prefix cache stopped where it did (none = full hit).",
+                                     labels=labels + ["reason"])
+        for reason, count in sorted((s.get("prefix_cache_miss_reasons") or {}).items()):
+            misses.add_metric(values + [reason], count)
+        yield misses
+        yield gauge("kv_cache_leased_blocks", "Cached KV blocks on a session branch a live lease protects.",
+                    s.get("num_leased_blocks", 0))
+        yield counter("prefix_cache_lease_hits", "Requests whose cache hit ended on a leased session branch.",
+                      s.get("prefix_cache_lease_hits", 0))
+        yield counter("prefix_cache_lease_hit_tokens", "Prompt tokens served by hits that ended on a leased branch.",
+                      s.get("prefix_cache_lease_hit_tokens", 0))
+        yield counter("prefix_cache_leased_evicted_blocks",
+                      "Leased blocks evicted because nothing unleased was left (leases are soft).",
+                      s.get("prefix_cache_leased_evicted_blocks", 0))
 
 
 class ServerMetrics:

@@ -1,4 +1,4 @@
-"""The API key check and the count of error responses, as one pure ASGI middleware.
+"""The API key check, the count of error responses and the instance header, as one pure ASGI middleware.
 
 Pure ASGI (no response buffering, unlike Starlette's BaseHTTPMiddleware), so SSE streams and
 client disconnects pass through untouched.
@@ -14,17 +14,19 @@ from starlette.responses import JSONResponse
 from chatserve.server.errors import error_body
 from chatserve.server.metrics import ServerMetrics
 
-_PROTECTED_PREFIXES = ("/v1/", "/debug/")
+_PROTECTED_PREFIXES = ("/v1/", "/debug/", "/tokenize", "/detokenize")
 
 
 class AuthAndErrorCount:
     """Bearer-key check on the API paths (the web client and /health, /metrics stay open), and a
     count of error statuses for /metrics."""
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics, instance_id: str | None = None) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
+        # Behind a router a client cannot tell which replica answered; every response says so.
+        self.instance_header = [(b"x-chatserve-instance", instance_id.encode("latin-1"))] if instance_id else []
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -40,8 +42,11 @@ class AuthAndErrorCount:
             return
 
         async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.metrics.observe_error(message["status"])
+            if message["type"] == "http.response.start":
+                if message["status"] >= 400:
+                    self.metrics.observe_error(message["status"])
+                if self.instance_header:
+                    message = {**message, "headers": [*message.get("headers", ()), *self.instance_header]}
             await send(message)
 
         await self.app(scope, receive, counting_send)

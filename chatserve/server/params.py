@@ -53,7 +53,7 @@ def build_sampling_params(body: SamplingFields, max_tokens: int | None, logprobs
             repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=pick("presence_penalty", 0.0),
             frequency_penalty=pick("frequency_penalty", 0.0),
-            seed=body.seed,
+            seed=pick("seed", None),
             stop=body.stop_list() or defaults.get("stop"),
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,

@@ -5,9 +5,10 @@ documents them, and vLLM's extra sampling fields (top_k, min_p, repetition_penal
 clients written for either keep working. Three rules hold for every body and every nested object:
 
 - JSON `null` for an optional field means its default (clients forward unset settings as None).
-- A field that OpenAI or vLLM defines and that would change the reply (tools, constrained
-  decoding, logit_bias, ...) is refused with a 400 naming it (`REFUSED_*` below) unless it has
-  its neutral value: never silently served without it.
+- A field that OpenAI or vLLM defines and that would change the reply (logit_bias, beam search,
+  ...) but is not implemented is refused with a 400 naming it (`REFUSED_*` below) unless it has
+  its neutral value: never silently served without it. Tools and structured outputs are served
+  (`tools`, `tool_choice`, `response_format`, `structured_outputs` and vLLM's `guided_*`).
 - Any other unknown field is ignored, as OpenAI-compatible servers commonly do; README.md lists
   the known ones that are ignored on purpose.
 """
@@ -51,23 +52,9 @@ def _one_of(*neutral: Any) -> Callable[[Any], bool]:
     return lambda v: _unset(v) or any(v == x and type(v) is type(x) for x in neutral)
 
 
-def _all_unset(v: Any) -> bool:
-    return _unset(v) or (isinstance(v, dict) and all(x is None or _unset(x) for x in v.values()))
-
-
-_CONSTRAINED = "constrained decoding (structured outputs, guided decoding)"
-_TOOLS = "tools and function calling"
+_LEGACY_FUNCTIONS = "the legacy functions / function_call fields (send tools / tool_choice instead)"
 REFUSED_SAMPLING: Mapping[str, Refusal] = {
-    # vLLM's constrained decoding, old and new spellings
-    "structured_outputs": (_all_unset, _CONSTRAINED),
-    "guided_json": (_unset, _CONSTRAINED),
-    "guided_regex": (_unset, _CONSTRAINED),
-    "guided_choice": (_unset, _CONSTRAINED),
-    "guided_grammar": (_unset, _CONSTRAINED),
-    "guided_decoding_backend": (_unset, _CONSTRAINED),
-    "guided_whitespace_pattern": (_unset, _CONSTRAINED),
-    "structural_tag": (_unset, _CONSTRAINED),
-    "response_format": (_one_of({"type": "text"}), 'response_format other than {"type": "text"} ' f"({_CONSTRAINED})"),
+    "guided_whitespace_pattern": (_unset, "guided_whitespace_pattern"),
     # other ways to change which tokens come out
     "logit_bias": (_unset, "logit_bias"),
     "logits_processors": (_unset, "logits_processors"),
@@ -80,10 +67,8 @@ REFUSED_SAMPLING: Mapping[str, Refusal] = {
     "return_tokens_as_token_ids": (_unset, "return_tokens_as_token_ids"),
 }
 REFUSED_CHAT: Mapping[str, Refusal] = {
-    "tools": (_unset, _TOOLS),
-    "functions": (_unset, _TOOLS),
-    "tool_choice": (_one_of("none", "auto"), _TOOLS),
-    "function_call": (_one_of("none", "auto"), _TOOLS),
+    "functions": (_unset, _LEGACY_FUNCTIONS),
+    "function_call": (_one_of("none", "auto"), _LEGACY_FUNCTIONS),
     "continue_final_message": (_unset, "continue_final_message"),
     "chat_template": (_unset, "a chat template sent with the request"),
     "documents": (_unset, "documents for the chat template"),
@@ -97,14 +82,13 @@ REFUSED_CHAT: Mapping[str, Refusal] = {
     "verbosity": (_unset, "verbosity"),
 }
 REFUSED_MESSAGE: Mapping[str, Refusal] = {
-    "tool_calls": (_unset, _TOOLS),
-    "function_call": (_unset, _TOOLS),
+    "function_call": (_unset, _LEGACY_FUNCTIONS),
     "audio": (_unset, "audio in messages"),
 }
 # Chat-template options of a session turn (the session's own template renders it).
 REFUSED_SESSION: Mapping[str, Refusal] = {
     "chat_template_kwargs": (_unset, "chat_template_kwargs in a session turn"),
-    **{k: REFUSED_CHAT[k] for k in ("tools", "tool_choice", "continue_final_message", "chat_template")},
+    **{k: REFUSED_CHAT[k] for k in ("continue_final_message", "chat_template")},
 }
 # Keys of chat_template_kwargs that would override how the server itself renders the prompt.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -147,12 +131,117 @@ _NON_TEXT_PARTS = {
 }
 
 
+# ---- tools and structured outputs -------------------------------------------------------------------
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(StrictModel):
+    """A call in an earlier assistant message (sent back by the client with the tool's result)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class FunctionDefinition(StrictModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JSONSchemaSpec(StrictModel):
+    name: Annotated[str, Field(max_length=64)] = "response"
+    description: str | None = None
+    # OpenAI's field is `schema`; pydantic reserves that name on models, hence the alias.
+    json_schema: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=lambda: {"type": "object"})
+    strict: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
+class ResponseFormat(StrictModel):
+    """`response_format`: text, json_object, json_schema, or vLLM's structural_tag."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JSONSchemaSpec | None = None
+    format: dict[str, Any] | None = None  # structural_tag (xgrammar's format object)
+    structures: list[dict[str, Any]] | None = None  # structural_tag, vLLM's legacy shape
+    triggers: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _needs_its_part(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise field_error("json_schema", 'response_format of type "json_schema" needs a json_schema object')
+        if self.type == "structural_tag" and self.format is None and self.structures is None:
+            raise field_error("format", 'response_format of type "structural_tag" needs a format object')
+        return self
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's `structured_outputs` extra field (one kind set)."""
+
+    json_schema: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsField:
+        kinds = [k for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        if len(kinds) > 1:
+            names = ", ".join("json" if k == "json_schema" else k for k in kinds)
+            raise ValueError(f"set exactly one of json, regex, choice, grammar, json_object, structural_tag; got {names}")
+        return self
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, k) is None for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")) \
+            and not self.json_object
+
+
 class ChatMessage(StrictModel):
     refused: ClassVar[Mapping[str, Refusal]] = REFUSED_MESSAGE
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages that called tools
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise field_error("tool_call_id", 'a message with role "tool" needs the tool_call_id of the call it answers')
+        if self.tool_calls and self.role != "assistant":
+            raise field_error("tool_calls", 'only assistant messages may carry tool_calls')
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -214,6 +303,14 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* spellings
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingFields:
@@ -237,6 +334,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # Passed to the chat template as variables (e.g. Qwen3's enable_thinking), as vLLM does.
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -251,6 +351,7 @@ class ChatCompletionRequest(SamplingFields):
     def _consistent_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
+        check_tools(self.tools, self.tool_choice)
         return self
 
     def effective_max_tokens(self) -> int | None:
@@ -290,6 +391,21 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+def check_tools(tools: list[ToolDefinition] | None, tool_choice: Any) -> None:
+    """Function names unique; a tool_choice other than none/auto needs tools, a named one a tool of that name."""
+    names = [t.function.name for t in tools or []]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise field_error(f"tools.{i}.function.name", f"two tools are named {name!r}; function names must be unique")
+    if isinstance(tool_choice, NamedToolChoice):
+        if tool_choice.function.name not in names:
+            known = ", ".join(repr(n) for n in names) or "none"
+            raise field_error("tool_choice", f"tool_choice names the function {tool_choice.function.name!r}, which is "
+                                             f"not in tools (tools: {known})")
+    elif tool_choice == "required" and not names:
+        raise field_error("tool_choice", 'tool_choice "required" needs at least one tool in tools')
+
+
 # ---- the session API ------------------------------------------------------------------------------
 class SessionDefaults(StrictModel):
     """Sampling defaults stored with a session; each turn's own fields override them."""
@@ -303,6 +419,10 @@ class SessionDefaults(StrictModel):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: Seed | None = None
+    # not sampling: how long this session's cached KV stays leased after each turn (the server's
+    # --kv-lease-seconds when unset; 0: no lease)
+    kv_lease_seconds: Annotated[float, Field(ge=0.0, le=7 * 24 * 3600)] | None = None
 
 
 class CreateSessionRequest(StrictModel):
@@ -312,11 +432,61 @@ class CreateSessionRequest(StrictModel):
     defaults: SessionDefaults | None = None
 
 
+class UpdateSessionRequest(StrictModel):
+    """PATCH /v1/sessions/{id}: the fields given change (`title: ""` clears the title); defaults
+    replace the stored ones whole."""
+
+    title: Annotated[str, Field(max_length=200)] | None = None
+    metadata: dict[str, Any] | None = None
+    defaults: SessionDefaults | None = None
+
+
+class ForkSessionRequest(StrictModel):
+    """POST /v1/sessions/{id}/fork: a new session with the first `keep_turns` turns of this one."""
+
+    keep_turns: Annotated[int, Field(ge=0)]
+    title: Annotated[str, Field(max_length=200)] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class ToolResult(StrictModel):
+    """The result of one call of the last reply, handed back in a session turn."""
+
+    tool_call_id: Annotated[str, Field(min_length=1)]
+    content: str
+
+
 class SessionMessageRequest(SamplingFields):
     """One user turn; a session turn streams by default (it is a chat UI's main call)."""
 
     refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_SESSION}
 
-    content: Annotated[str, Field(min_length=1)]
+    content: Annotated[str, Field(min_length=1)] | None = None
+    stream: bool = True
+    logprobs: bool = False
+    # tools offered this turn, and the results of the calls the last reply made (then content is optional)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: bool = True
+    tool_results: Annotated[list[ToolResult], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> SessionMessageRequest:
+        if self.content is None and self.tool_results is None:
+            raise field_error("content", "a turn needs content (the user's message) or tool_results")
+        check_tools(self.tools, self.tool_choice)
+        return self
+
+    @property
+    def has_tools(self) -> bool:
+        return bool(self.tools or self.tool_results)
+
+
+class SessionRegenerateRequest(SamplingFields):
+    """POST /v1/sessions/{id}/regenerate: a new reply to the last user message, in place of the last
+    reply; the sampling fields of a turn (the stored user message is the content)."""
+
+    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_SESSION}
+
     stream: bool = True
     logprobs: bool = False

@@ -32,11 +32,36 @@ class ServerSettings:
     request_id_max_len: int = field(default=128, metadata={"help": "longest X-Request-Id accepted"})
     finished_request_history: int = field(default=4096, metadata={
         "help": "finished requests whose final state the cancel endpoint still reports (idempotent cancels)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template file used instead of the model's own (default: the model's; with tools, "
+                "the model's if it renders tools, else chatserve's shipped xLAM tool template)"})
     serve_web: bool = field(default=True, metadata={"help": "serve the browser client at /", "aliases": ("--web",)})
+    instance_id: str | None = field(default=None, metadata={
+        "help": "this replica's name in every response's X-Chatserve-Instance header, so a client behind a router "
+                "can tell which replica served it (default: host:port)"})
+    session_turn_lock_ttl_s: float = field(default=120.0, metadata={
+        "help": "seconds a session turn's lock lives without a refresh (refreshed while the reply runs): how long "
+                "a session stays busy after its replica died mid-turn"})
+    kv_lease_seconds: float = field(default=300.0, metadata={
+        "help": "seconds an idle session's cached KV is protected from eviction after each turn (renewed every "
+                "turn; a session's defaults.kv_lease_seconds overrides it; 0 turns leases off). Soft: leased "
+                "blocks are evicted last, never at the cost of a request"})
+
+    def load_chat_template(self) -> str | None:
+        """The --chat-template file's text (read once, at startup, so a bad path fails before serving)."""
+        if self.chat_template is None:
+            return None
+        try:
+            with open(self.chat_template, encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise ValueError(f"chat_template: cannot read {self.chat_template!r}: {exc}") from None
 
     def __post_init__(self) -> None:
         if self.sse_keepalive_s <= 0:
             raise ValueError(f"sse_keepalive_s must be > 0, got {self.sse_keepalive_s}")
+        if not self.kv_lease_seconds >= 0:
+            raise ValueError(f"kv_lease_seconds must be >= 0, got {self.kv_lease_seconds}")
         for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_messages", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

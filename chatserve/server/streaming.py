@@ -96,6 +96,9 @@ async def stream_events(
             async for deltas in gen.deltas():
                 for d in deltas:
                     acc.add(d)
+                    if d.finish_reason == "error":  # e.g. a grammar that failed mid-generation: this request only
+                        yield sse.event(generation_error(d.error).body())
+                        return
                     for choice in fmt.delta_choices(d):
                         yield sse.event(fmt.chunk([choice], include_usage))
         except EngineDeadError as exc:
@@ -135,6 +138,14 @@ async def collect_reply(request: Request, gen: Generation, acc: Accumulator) -> 
             gen.close("client_disconnect")
     if not completed:
         raise APIError(499, "client closed the request")
+    error = acc.first_error()
+    if error is not None:
+        raise generation_error(error)
+
+
+def generation_error(reason: str | None) -> APIError:
+    """A request the engine ended with finish_reason "error" (the engine itself goes on serving the others)."""
+    return APIError(500, f"generation failed: {reason or 'unknown error'}", code="generation_error")
 
 
 async def wait_for_disconnect(receive: Any) -> None:

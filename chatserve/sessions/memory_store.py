@@ -26,12 +26,17 @@ from chatserve.sessions.models import (
 from chatserve.sessions.store import (
     DEFAULT_SESSION_TTL_S,
     DEFAULT_TURN_LOCK_TTL_S,
+    UNSET,
     SessionPage,
     SessionStore,
+    Unset,
+    apply_update,
     busy_error,
     changed_error,
     check_list_args,
     check_turn_args,
+    plan_fork,
+    without_last_turn,
 )
 
 
@@ -143,6 +148,38 @@ class InMemorySessionStore(SessionStore):
         self._refresh(entry, updated=False)
         return Session.from_record(entry.record)
 
+    async def update(
+        self,
+        session_id: str,
+        *,
+        title: str | None | Unset = UNSET,
+        metadata: dict[str, Any] | Unset = UNSET,
+        defaults: dict[str, Any] | Unset = UNSET,
+    ) -> Session:
+        entry = self._require(session_id)
+        record = apply_update(Session.from_record(entry.record), title, metadata, defaults).to_record()
+        entry.record = record
+        self._refresh(entry, updated=True)
+        return Session.from_record(entry.record)
+
+    async def fork(
+        self,
+        session_id: str,
+        keep_turns: int,
+        *,
+        title: str | None | Unset = UNSET,
+        metadata: dict[str, Any] | Unset = UNSET,
+    ) -> Session:
+        entry = self._require(session_id)
+        messages = [Message.from_record(m) for m in entry.messages]
+        plan = plan_fork(Session.from_record(entry.record), messages, decode_token_ids(entry.tokens), keep_turns,
+                         self._new_id(), title, metadata)
+        record = plan.session.to_record()
+        tokens = encode_token_ids(plan.token_ids) if plan.token_ids else b""
+        self._sessions[plan.session.id] = _Entry(record, [m.to_record() for m in plan.messages], tokens,
+                                                 time.monotonic() + plan.session.ttl_seconds)
+        return Session.from_record(record)
+
     # --- turns ---------------------------------------------------------------------------
 
     async def get_messages(self, session_id: str) -> list[Message]:
@@ -159,6 +196,7 @@ class InMemorySessionStore(SessionStore):
         history_token_ids: Sequence[int],
         *,
         expected_num_turns: int | None = None,
+        replace_last_turn: bool = False,
     ) -> Session:
         check_turn_args(user_message, assistant_message, expected_num_turns)
         # NOTE: everything that can fail runs before the first mutation: all or nothing.
@@ -168,9 +206,12 @@ class InMemorySessionStore(SessionStore):
         num_turns = int(entry.record["num_turns"])
         if expected_num_turns is not None and num_turns != expected_num_turns:
             raise changed_error(session_id, expected_num_turns, num_turns)
-        entry.messages.extend(new_messages)
+        keep = len(entry.messages)
+        if replace_last_turn:
+            keep = without_last_turn(session_id, [Message.from_record(m) for m in entry.messages])
+        entry.messages[keep:] = new_messages
         entry.tokens = tokens
-        entry.record["num_turns"] = dumps_json(num_turns + 1, "num_turns")
+        entry.record["num_turns"] = dumps_json(num_turns + (0 if replace_last_turn else 1), "num_turns")
         self._refresh(entry, updated=True)
         return Session.from_record(entry.record)
 

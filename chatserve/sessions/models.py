@@ -88,6 +88,9 @@ class Session:
     defaults: dict[str, Any] = field(default_factory=dict)  # sampling params: temperature, top_p, max_tokens, ...
     model: str | None = None
     num_turns: int = 0
+    title: str | None = None  # set by PATCH (rename); the page shows it in its chat list
+    # Set on a session made by `fork`: {"session_id": the source, "turn": turns kept from it}.
+    forked_from: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The session object of the HTTP API."""
@@ -103,6 +106,8 @@ class Session:
             "num_turns": self.num_turns,
             "defaults": self.defaults,
             "model": self.model,
+            "title": self.title,
+            "forked_from": self.forked_from,
         }
 
     def to_record(self) -> dict[str, str]:
@@ -118,6 +123,8 @@ class Session:
             "defaults": dumps_json(self.defaults, "defaults"),
             "model": dumps_json(self.model, "model"),
             "num_turns": dumps_json(self.num_turns, "num_turns"),
+            "title": dumps_json(self.title, "title"),
+            "forked_from": dumps_json(self.forked_from, "forked_from"),
         }
 
     @classmethod
@@ -134,6 +141,8 @@ class Session:
             defaults=v["defaults"],
             model=v["model"],
             num_turns=v["num_turns"],
+            title=v.get("title"),  # records written before rename/fork existed lack these two
+            forked_from=v.get("forked_from"),
         )
 
 
@@ -147,6 +156,14 @@ class Message:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     created_at: float = field(default_factory=time.time)
+    # Assistant only: how the reply ran (ttft_s, decode_tokens_per_s, prompt/cached/completion
+    # tokens), kept so a reloaded page still shows each reply's numbers.
+    stats: dict[str, Any] | None = None
+    # Assistant only: where this turn's prompt ends and where the turn ends in the session's token
+    # history. `fork` keeps history[:history_end] of its last kept turn; `regenerate` prompts with
+    # history[:prompt_end] of the last turn, so both reuse the cached KV exactly.
+    prompt_end: int | None = None
+    history_end: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The message object of the HTTP API."""
@@ -156,6 +173,7 @@ class Message:
             "finish_reason": self.finish_reason,
             "usage": self.usage,
             "created_at": int(self.created_at),
+            "stats": self.stats,
         }
 
     def to_record(self) -> str:
@@ -169,12 +187,27 @@ class Message:
             "finish_reason": self.finish_reason,
             "usage": self.usage,
             "created_at": self.created_at,
+            "stats": self.stats,
+            "prompt_end": self.prompt_end,
+            "history_end": self.history_end,
         }
         return dumps_json(fields, f"{self.role} message")
 
     @classmethod
     def from_record(cls, record: str | bytes) -> Message:
         return cls(**json.loads(record))
+
+
+def turn_bounds(messages: Sequence[Message]) -> list[tuple[int, int]]:
+    """[start, end) of each stored turn in a session's messages: a turn is the messages up to and
+    including the assistant reply that ends it (today one user message and one reply)."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            bounds.append((start, i + 1))
+            start = i + 1
+    return bounds
 
 
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -48,12 +48,17 @@ from chatserve.sessions.models import (
 from chatserve.sessions.store import (
     DEFAULT_SESSION_TTL_S,
     DEFAULT_TURN_LOCK_TTL_S,
+    UNSET,
     SessionPage,
     SessionStore,
+    Unset,
+    apply_update,
     busy_error,
     changed_error,
     check_list_args,
     check_turn_args,
+    plan_fork,
+    without_last_turn,
 )
 
 # KEYS: session hash, lock. ARGV: token, ttl ms. -> {1, 0} taken, {0, pttl} busy, {-1, 0} no session.
@@ -160,12 +165,15 @@ class RedisSessionStore(SessionStore):
         session_id: str,
         doing: str,
         plan: Callable[[Session], tuple[Session, Callable[[Any], None] | None]],
+        read_more: Callable[[Any], Awaitable[None]] | None = None,
     ) -> Session:
         """Optimistic read-modify-write of one session under WATCH, retried on conflicts.
 
         `plan(current)` checks preconditions (raising leaves Redis untouched) and returns the
         new record plus a function queueing extra writes. The record, the extras, the TTL of
         all keys and the expiry index then go in one MULTI/EXEC: all applied or none.
+        `read_more(pipe)`, awaited before `plan`, reads other keys of the session under the same
+        WATCH (they only ever change together with the hash, so the hash's WATCH covers them).
         """
         if not is_valid_session_id(session_id):
             raise SessionNotFound(session_id)
@@ -178,6 +186,8 @@ class RedisSessionStore(SessionStore):
                         raw = await pipe.hgetall(k.session)
                         if not raw:
                             raise SessionNotFound(session_id)
+                        if read_more is not None:
+                            await read_more(pipe)
                         new_session, queue_extra = plan(Session.from_record(_decode_hash(raw)))
                         await self._after_watch(session_id)
                         pipe.multi()
@@ -307,6 +317,63 @@ class RedisSessionStore(SessionStore):
 
         return await self._update(session_id, "refresh a session's TTL", plan)
 
+    async def update(
+        self,
+        session_id: str,
+        *,
+        title: str | None | Unset = UNSET,
+        metadata: dict[str, Any] | Unset = UNSET,
+        defaults: dict[str, Any] | Unset = UNSET,
+    ) -> Session:
+        def plan(current: Session) -> tuple[Session, None]:
+            now = time.time()
+            apply_update(current, title, metadata, defaults)
+            current.updated_at = now
+            current.expires_at = now + current.ttl_seconds
+            return current, None
+
+        return await self._update(session_id, "update a session", plan)
+
+    async def fork(
+        self,
+        session_id: str,
+        keep_turns: int,
+        *,
+        title: str | None | Unset = UNSET,
+        metadata: dict[str, Any] | Unset = UNSET,
+    ) -> Session:
+        if not is_valid_session_id(session_id):
+            raise SessionNotFound(session_id)
+        src = self.keys(session_id)
+        with self._errors("read the session to fork"):
+            async with self._client.pipeline(transaction=True) as pipe:  # one consistent snapshot
+                pipe.hgetall(src.session)
+                pipe.lrange(src.messages, 0, -1)
+                pipe.get(src.tokens)
+                raw, raw_messages, blob = await pipe.execute()
+        if not raw:
+            raise SessionNotFound(session_id)
+        plan = plan_fork(Session.from_record(_decode_hash(raw)), [Message.from_record(m) for m in raw_messages],
+                         decode_token_ids(blob), keep_turns, self._new_id(), title, metadata)
+        session = plan.session
+        k = self.keys(session.id)
+        ms = ttl_ms(session.ttl_seconds)
+        messages = [m.to_record() for m in plan.messages]
+        with self._errors("store the forked session"):
+            await self._prune_expired()
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hset(k.session, mapping=session.to_record())
+                pipe.pexpire(k.session, ms)
+                if messages:
+                    pipe.rpush(k.messages, *messages)
+                    pipe.pexpire(k.messages, ms)
+                if plan.token_ids:
+                    pipe.set(k.tokens, encode_token_ids(plan.token_ids), px=ms)
+                pipe.zadd(self._index_key, {session.id: 0})
+                pipe.zadd(self._expiry_key, {session.id: session.expires_at})
+                await pipe.execute()
+        return session
+
     # --- turns ---------------------------------------------------------------------------
 
     async def get_messages(self, session_id: str) -> list[Message]:
@@ -336,28 +403,39 @@ class RedisSessionStore(SessionStore):
         history_token_ids: Sequence[int],
         *,
         expected_num_turns: int | None = None,
+        replace_last_turn: bool = False,
     ) -> Session:
         check_turn_args(user_message, assistant_message, expected_num_turns)
         # NOTE: serialise everything before touching Redis: a bad value fails with nothing written.
         new_messages = [user_message.to_record(), assistant_message.to_record()]
         tokens = encode_token_ids(history_token_ids)
         k = self.keys(session_id)
+        stored: list[Message] = []
+
+        async def read_messages(pipe: Any) -> None:
+            stored[:] = [Message.from_record(m) for m in await pipe.lrange(k.messages, 0, -1)]
 
         def plan(current: Session) -> tuple[Session, Callable[[Any], None]]:
             if expected_num_turns is not None and current.num_turns != expected_num_turns:
                 raise changed_error(session_id, expected_num_turns, current.num_turns)
+            keep = without_last_turn(session_id, stored) if replace_last_turn else None
             now = time.time()
-            current.num_turns += 1
+            current.num_turns += 0 if replace_last_turn else 1
             current.updated_at = now
             current.expires_at = now + current.ttl_seconds
 
             def queue(pipe: Any) -> None:
+                if keep is not None:  # regenerate: drop the last turn's messages first
+                    if keep == 0:
+                        pipe.delete(k.messages)
+                    else:
+                        pipe.ltrim(k.messages, 0, keep - 1)
                 pipe.rpush(k.messages, *new_messages)
                 pipe.set(k.tokens, tokens)
 
             return current, queue
 
-        return await self._update(session_id, "store a turn", plan)
+        return await self._update(session_id, "store a turn", plan, read_messages if replace_last_turn else None)
 
     # --- turn lock ---------------------------------------------------------------------
 

@@ -40,15 +40,34 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import enum
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 from chatserve.sessions.errors import SessionBusy, SessionStoreUnavailable, SessionValidationError
-from chatserve.sessions.models import Message, Session, SessionIdGenerator, check_ttl, is_valid_session_id, json_round_trip
+from chatserve.sessions.models import (
+    Message,
+    Session,
+    SessionIdGenerator,
+    check_ttl,
+    is_valid_session_id,
+    json_round_trip,
+    turn_bounds,
+)
 
 DEFAULT_SESSION_TTL_S = 24 * 3600  # seconds
 DEFAULT_TURN_LOCK_TTL_S = 120.0
 MAX_LIST_LIMIT = 1000
+MAX_TITLE_CHARS = 200
+
+
+class Unset(enum.Enum):
+    """The type of UNSET: "leave this field as it is" (None is a value: no title)."""
+
+    UNSET = "unset"
+
+
+UNSET = Unset.UNSET
 
 
 class SessionPage(NamedTuple):
@@ -128,6 +147,34 @@ class SessionStore(abc.ABC):
     async def touch(self, session_id: str) -> Session:
         """Restarts the session's TTL (all its data) without changing anything else."""
 
+    @abc.abstractmethod
+    async def update(
+        self,
+        session_id: str,
+        *,
+        title: str | None | Unset = UNSET,
+        metadata: dict[str, Any] | Unset = UNSET,
+        defaults: dict[str, Any] | Unset = UNSET,
+    ) -> Session:
+        """Changes the given fields (rename, metadata, sampling defaults), stamps updated_at and
+        restarts the TTL, atomically. Raises SessionNotFound, or SessionValidationError for a
+        title that is not a short string or values that are not JSON."""
+
+    @abc.abstractmethod
+    async def fork(
+        self,
+        session_id: str,
+        keep_turns: int,
+        *,
+        title: str | None | Unset = UNSET,
+        metadata: dict[str, Any] | Unset = UNSET,
+    ) -> Session:
+        """A new session holding the first `keep_turns` turns of this one: the same messages, and
+        the exact token history up to the end of its last kept turn, so its next prompt matches
+        the cached KV of the source (a branch costs no prefill). System prompt, defaults, model
+        and TTL are copied, title and metadata too unless given; `forked_from` names the source.
+        Raises SessionNotFound, or SessionValidationError for `keep_turns` outside [0, num_turns]."""
+
     # --- turns ----------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -148,10 +195,13 @@ class SessionStore(abc.ABC):
         history_token_ids: Sequence[int],
         *,
         expected_num_turns: int | None = None,
+        replace_last_turn: bool = False,
     ) -> Session:
         """Stores one finished (or aborted) turn atomically and returns the updated session.
 
         `history_token_ids` replaces the stored history (it must be the whole conversation).
+        With `replace_last_turn` (regenerate), the new turn takes the place of the last stored
+        one instead of following it, and `num_turns` stays (SessionValidationError if none).
         With `expected_num_turns`, raises SessionBusy instead of writing if the session has
         a different number of turns by now (another turn was stored meanwhile).
         Raises SessionNotFound if the session is gone (nothing is written then),
@@ -237,3 +287,84 @@ def changed_error(session_id: str, expected: int, actual: int) -> SessionBusy:
         session_id=session_id,
     )
 
+
+
+def check_title(title: object) -> str | None:
+    if title is None:
+        return None
+    if not isinstance(title, str) or len(title) > MAX_TITLE_CHARS:
+        raise SessionValidationError(f"title must be a string of at most {MAX_TITLE_CHARS} characters or null, got {title!r:.80}")
+    return title
+
+
+def apply_update(
+    session: Session, title: str | None | Unset, metadata: dict[str, Any] | Unset, defaults: dict[str, Any] | Unset,
+) -> Session:
+    """`update`'s change to a session record, validated before anything is written (both stores)."""
+    if not isinstance(title, Unset):
+        session.title = check_title(title)
+    if not isinstance(metadata, Unset):
+        session.metadata = json_round_trip(metadata, "metadata")
+    if not isinstance(defaults, Unset):
+        session.defaults = json_round_trip(defaults, "defaults")
+    return session
+
+
+class ForkPlan(NamedTuple):
+    """What `fork` writes: the new session record, its messages and its token history."""
+
+    session: Session
+    messages: list[Message]
+    token_ids: list[int]
+
+
+def plan_fork(
+    source: Session, messages: list[Message], token_ids: list[int], keep_turns: int, new_id: tuple[str, float],
+    title: str | None | Unset, metadata: dict[str, Any] | Unset,
+) -> ForkPlan:
+    """The first `keep_turns` turns of `source` as a new session (both stores share this)."""
+    if isinstance(keep_turns, bool) or not isinstance(keep_turns, int) or not 0 <= keep_turns <= source.num_turns:
+        raise SessionValidationError(
+            f"keep_turns must be an integer in [0, {source.num_turns}] (the session has {source.num_turns} turns), "
+            f"got {keep_turns!r}"
+        )
+    bounds = turn_bounds(messages)
+    if keep_turns == 0:
+        kept, history = [], []
+    else:
+        end = bounds[keep_turns - 1][1]
+        kept = messages[:end]
+        history_end = kept[-1].history_end
+        if keep_turns == len(bounds):
+            history = token_ids
+        elif history_end is None:
+            raise SessionValidationError(
+                f"turn {keep_turns - 1} was stored before turns recorded their token offsets; "
+                f"fork at keep_turns={source.num_turns} (all turns) or 0 instead"
+            )
+        else:
+            history = token_ids[:history_end]
+    session_id, created_at = new_id
+    session = Session(
+        id=session_id,
+        created_at=created_at,
+        updated_at=created_at,
+        expires_at=created_at + source.ttl_seconds,
+        ttl_seconds=source.ttl_seconds,
+        system_prompt=source.system_prompt,
+        metadata=source.metadata if isinstance(metadata, Unset) else json_round_trip(metadata, "metadata"),
+        defaults=source.defaults,
+        model=source.model,
+        num_turns=keep_turns,
+        title=source.title if isinstance(title, Unset) else check_title(title),
+        forked_from={"session_id": source.id, "turn": keep_turns},
+    )
+    return ForkPlan(session, kept, history)
+
+
+def without_last_turn(session_id: str, messages: list[Message]) -> int:
+    """How many messages stay when the last turn is replaced (regenerate); raises if there is none."""
+    bounds = turn_bounds(messages)
+    if not bounds:
+        raise SessionValidationError(f"session {session_id!r} has no stored turn to replace; send a message first")
+    return bounds[-1][0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,6 +19,11 @@ from chatserve.worker.kv_pool import plan_kv_pool
 from chatserve.worker.sampler import Sampler, SampleResult
 
 logger = logging.getLogger(__name__)
+
+class StepInterrupted(Exception):
+    """Raised between layers to stop a forward pass whose work nobody will read (every request in
+    it is being aborted). The step then counts for nothing: see LLMEngine.step."""
+
 
 class ModelRunner:
     def __init__(
@@ -108,11 +113,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[ScheduledSeq], copies: Sequence[tuple[int, int, int]] = ()
+        self, scheduled: list[ScheduledSeq], copies: Sequence[tuple[int, int, int]] = (),
+        between_layers: Callable[[], None] | None = None,
     ) -> tuple[list[ScheduledSeq], SampleResult | None]:
         """Run one forward pass; sample for every sequence whose chunk reaches its end.
 
         ``copies`` (from ``BlockManager.take_pending_copies``) are applied first.
+        ``between_layers`` runs after every decoder layer; it may raise StepInterrupted to stop the
+        pass (nothing is sampled; the KV written so far is partial and must not be trusted).
         Returns the sequences that got a new token (in order) and the sample result.
         """
         self.copy_blocks(copies)
@@ -133,9 +141,9 @@ class ModelRunner:
         )
         sampled = [s for s in decodes + extends if s.completes_prompt]
         if batch.logits_indices.numel() == 0:
-            self.model(batch, self.kv_cache)  # prefill chunk only: fills the KV cache
+            self.model(batch, self.kv_cache, between_layers)  # prefill chunk only: fills the KV cache
             return [], None
-        logits = self.model(batch, self.kv_cache)
+        logits = self.model(batch, self.kv_cache, between_layers)
         seqs = [s.seq for s in sampled]
         result = self.sampler(
             logits,
@@ -144,5 +152,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [s.generator for s in seqs],
             eos_token_ids=self.eos_token_ids,
+            grammars=[s.grammar for s in seqs],
+            logits_writable=True,  # fresh from the model each step and read by nobody else
         )
         return sampled, result

@@ -3,13 +3,19 @@
 Order of operations (vLLM / Hugging Face):
 
 1. logprobs are taken from the RAW distribution (``log_softmax`` of the model's
-   logits), as vLLM reports them by default;
-2. penalties: repetition (HF style, over prompt + output), then frequency and
+   logits), as vLLM reports them by default: before the grammar mask, penalties
+   and temperature;
+2. the grammar mask (structured outputs): on rows with a grammar matcher, every
+   token the grammar cannot take next gets ``-inf`` (one batched bitmask; other
+   rows are not touched, so they stay bit-identical);
+3. penalties: repetition (HF style, over prompt + output), then frequency and
    presence (OpenAI style, over output only);
-3. ``min_tokens``: stop tokens (and EOS unless ``ignore_eos``) are masked while
-   a request is still short of its minimum;
-4. greedy rows take the argmax of the penalised logits;
-5. other rows: temperature, top-k, top-p, min-p, then one draw per row.
+4. ``min_tokens``: stop tokens (and EOS unless ``ignore_eos``) are masked while
+   a request is still short of its minimum (not on grammar rows: there the
+   grammar decides when the output may end, and masking its only allowed token
+   would leave nothing to sample);
+5. greedy rows take the argmax of the penalised logits;
+6. other rows: temperature, top-k, top-p, min-p, then one draw per row.
 
 Excluded tokens get a logit of ``-inf`` and therefore a probability of exactly
 0; sampling inverts the CDF, which is flat over such tokens, so an excluded
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from chatserve.sampling_params import SamplingParams
+from chatserve.structured.bitmask import BitmaskFiller, fill_and_apply_bitmask_
 
 # NOTE: temperatures below this are sampled greedily: dividing logits by ~0
 # overflows to inf, and softmax then computes inf - inf = NaN.
@@ -204,13 +211,17 @@ def apply_min_tokens(
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int] | torch.Tensor],
     eos_token_ids: Sequence[int],
+    exempt_rows: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """Forbid stopping (stop tokens, and EOS unless ignore_eos) before a request has min_tokens outputs."""
+    """Forbid stopping (stop tokens, and EOS unless ignore_eos) before a request has min_tokens outputs.
+
+    ``exempt_rows`` (grammar rows) are left alone: their grammar decides when they may end.
+    """
     rows: list[int] = []
-    banned: list[list[int]] = []
+    banned: list[Sequence[int] | torch.Tensor] = []
     vocab = logits.shape[1]
     for i, (p, out) in enumerate(zip(params, output_token_ids)):
-        if len(out) >= p.min_tokens:
+        if len(out) >= p.min_tokens or i in exempt_rows:
             continue
         ids = list(p.stop_token_ids or [])
         if not p.ignore_eos:
@@ -395,7 +406,11 @@ class Sampler:
     ``prompt_token_ids`` / ``output_token_ids`` feed the penalties and
     ``min_tokens`` (rows may be lists or 1-D tensors); ``generators[i]`` is row
     i's RNG from :func:`make_generator` (``None``: global RNG); ``eos_token_ids``
-    are masked, with the row's stop_token_ids, until ``min_tokens`` is reached.
+    are masked, with the row's stop_token_ids, until ``min_tokens`` is reached;
+    ``grammars[i]`` is row i's grammar matcher (structured outputs) or None.
+    ``logits_writable``: the caller will not read ``logits`` again, so the grammar
+    mask may be applied in place instead of on a ``[B, V]`` copy (the model
+    runner's fresh logits); otherwise the caller's tensor is never modified.
     """
 
     def __call__(
@@ -407,6 +422,8 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         *,
         eos_token_ids: Sequence[int] = (),
+        grammars: Sequence[BitmaskFiller | None] | None = None,
+        logits_writable: bool = False,
     ) -> SampleResult:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -419,14 +436,27 @@ class Sampler:
         ):
             if len(seq) != batch:
                 raise ValueError(f"{name} has {len(seq)} entries but logits has {batch} rows")
+        if grammars is not None and len(grammars) != batch:
+            raise ValueError(f"grammars has {len(grammars)} entries but logits has {batch} rows")
         if batch == 0:
             return SampleResult(token_ids=[], logprobs=[])
 
         # NOTE: `.float()` returns the caller's tensor when it already is float32; every step
         # below is out of place, so the caller's logits are never modified.
         raw = logits.float()
+        grammar_rows = frozenset(i for i, g in enumerate(grammars or ()) if g is not None)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        needs_min_tokens = any(len(out) < p.min_tokens for p, out in zip(params, output_token_ids))
+        # Logprobs report the model's distribution before the mask: grammar rows that want them keep a copy.
+        unmasked_rows = [i for i in logprob_rows if i in grammar_rows]
+        unmasked = raw[unmasked_rows] if unmasked_rows else None  # (indexing copies)
+        masked = raw
+        if grammar_rows and grammars is not None:
+            if raw is logits and not logits_writable:
+                masked = raw.clone()
+            fill_and_apply_bitmask_(masked, grammars)
+        needs_min_tokens = any(
+            len(out) < p.min_tokens and i not in grammar_rows for i, (p, out) in enumerate(zip(params, output_token_ids))
+        )
 
         if (
             not logprob_rows
@@ -435,12 +465,12 @@ class Sampler:
         ):
             # Common case: one argmax over the batch, no parameter tensors built.
             # NOTE: max(dim).indices, not argmax: 2-3x faster on the CPU for [B, 49k] rows.
-            return SampleResult(token_ids=raw.max(dim=-1).indices.tolist(), logprobs=[None] * batch)
+            return SampleResult(token_ids=masked.max(dim=-1).indices.tolist(), logprobs=[None] * batch)
 
         tensors = SamplingTensors.from_params(params, device=raw.device)
-        work = apply_penalties(raw, tensors, prompt_token_ids, output_token_ids)
+        work = apply_penalties(masked, tensors, prompt_token_ids, output_token_ids)
         if needs_min_tokens:
-            work = apply_min_tokens(work, params, output_token_ids, eos_token_ids)
+            work = apply_min_tokens(work, params, output_token_ids, eos_token_ids, exempt_rows=grammar_rows)
 
         if all(tensors.greedy):
             chosen = work.max(dim=-1).indices
@@ -461,8 +491,17 @@ class Sampler:
 
         token_ids = chosen.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * batch
-        if logprob_rows:
-            gathered = _gather_logprobs(raw, logprob_rows, chosen, [int(params[i].logprobs or 0) for i in logprob_rows])
-            for i, entry in zip(logprob_rows, gathered):
+        plain_rows = [i for i in logprob_rows if i not in grammar_rows]
+        if plain_rows:
+            # NOTE: `masked` equals `raw` on rows without a grammar (and is `raw` when there are none).
+            gathered = _gather_logprobs(masked, plain_rows, chosen, [int(params[i].logprobs or 0) for i in plain_rows])
+            for i, entry in zip(plain_rows, gathered):
+                logprobs[i] = entry
+        if unmasked is not None:
+            index = torch.tensor(unmasked_rows, dtype=torch.long, device=raw.device)
+            gathered = _gather_logprobs(
+                unmasked, list(range(len(unmasked_rows))), chosen[index], [int(params[i].logprobs or 0) for i in unmasked_rows]
+            )
+            for i, entry in zip(unmasked_rows, gathered):
                 logprobs[i] = entry
         return SampleResult(token_ids=token_ids, logprobs=logprobs)

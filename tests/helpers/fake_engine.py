@@ -76,6 +76,10 @@ class FakeEngine:
         self._dead: EngineDeadError | None = None
         self.started = False
         self.shut_down = False
+        self.checked_structured: list[Any] = []  # StructuredOutputsParams the server asked to compile
+        self.structured_error: str | None = None  # set: check_structured_outputs raises ValueError(this)
+        self.sessions_seen: list[Any] = []  # the SessionKV (or None) each generate() was given
+        self.released_leases: list[str] = []  # session ids the server asked to release
 
     # ---- the properties the server reads ------------------------------------------------------
     @property
@@ -125,8 +129,23 @@ class FakeEngine:
     def loop_state(self) -> dict[str, Any]:
         return {"task_alive": self.started, "step_in_flight": False}
 
+    async def release_kv_lease(self, session_id: str) -> bool:
+        self.released_leases.append(session_id)
+        return False
+
+    async def session_cache_report(self, session_id: str, history_token_ids: list[int]) -> dict[str, Any]:
+        return {"cached_tokens": 0, "history_tokens": len(history_token_ids), "leased": False, "leased_tokens": 0,
+                "leased_until": None}
+
     async def check_integrity(self) -> None:
         return None
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """The real engine compiles the grammar here; the fake records what was asked and can be told to refuse."""
+        if params.structured_outputs is not None:
+            self.checked_structured.append(params.structured_outputs)
+            if self.structured_error is not None:
+                raise ValueError(self.structured_error)
 
     def request_metrics(self, request_id: str) -> RequestMetrics | None:
         for req in reversed(self.requests):
@@ -153,6 +172,8 @@ class FakeEngine:
         prompt: str | dict[str, Any] | ProcessedPrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        session: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Refuses at the call, like the real engine; the reply runs in a task of its own."""
         if self._dead is not None:
@@ -163,6 +184,9 @@ class FakeEngine:
         processed = self._input_processor.process(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
         stats = RequestStats(num_prompt_tokens=processed.num_tokens)
+        if session is not None:
+            stats.session_history_tokens = session.history_tokens
+        self.sessions_seen.append(session)
         req = FakeRequest(request_id, processed, params, RequestMetrics(request_id, stats))
         self.requests.append(req)
         self._live[request_id] = req

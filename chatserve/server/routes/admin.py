@@ -1,20 +1,23 @@
-"""Operating the server: `/health`, `/metrics`, `/debug/cache`, and cancelling a request by id.
+"""Operating the server: `/health`, `/metrics`, `/v1/cache/stats`, `/debug/cache`, and cancelling a request by id.
 
 The cancel endpoint answers with the request's final state (what it was doing when cancelled,
 how many blocks it gave back), also for a request that already finished, so repeating a cancel
-or cancelling late is not an error.
+or cancelling late is not an error. Behind a router, a cancel for a request another replica holds
+is passed to it over Redis (server/cancel_bus.py).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from chatserve.server.context import get_context
+from chatserve.server.cancel_bus import CancelBusUnavailable
+from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, error_body
 
 
@@ -29,6 +32,32 @@ async def health(request: Request) -> JSONResponse:
 
 async def metrics(request: Request) -> Response:
     return Response(get_context(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def cache_stats(request: Request) -> JSONResponse:
+    """The KV pool and the prefix cache in numbers the web page's cache panel shows: the same
+    snapshot (and the same usage formula) as the `chatserve:kv_cache_*` and prefix-cache metrics."""
+    s = get_context(request).engine.stats()
+    total = int(s.get("num_total_blocks", 0))
+    free = int(s.get("num_free_blocks", 0))
+    cached = int(s.get("num_cached_blocks", 0))
+    used = max(total - free - cached, 0)
+    queries = int(s.get("prefix_cache_queries_tokens", 0))
+    hits = int(s.get("prefix_cache_hits_tokens", 0))
+    return JSONResponse({
+        "object": "cache.stats",
+        "total_blocks": total,
+        "free_blocks": free,
+        "cached_blocks": cached,
+        "used_blocks": used,
+        "kv_cache_usage_perc": used / max(total, 1),
+        "prefix_cache_queries_tokens": queries,
+        "prefix_cache_hits_tokens": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "prefill_tokens_computed": int(s.get("num_prefill_tokens_computed", 0)),
+        "num_running": int(s.get("num_running", 0)),
+        "num_waiting": int(s.get("num_waiting", 0)),
+    })
 
 
 async def debug_cache(request: Request) -> JSONResponse:
@@ -50,13 +79,27 @@ async def debug_cache(request: Request) -> JSONResponse:
 async def cancel_request(request: Request) -> JSONResponse:
     ctx = get_context(request)
     rid = request.path_params["request_id"]
-    rec = ctx.tracker.get(rid)
-    if rec is None:
+    state = await cancel_local(ctx, rid)
+    if state is None and ctx.cancel_bus is not None:  # behind a router: maybe another replica holds it
+        try:
+            state = await ctx.cancel_bus.cancel_remote(rid)
+        except CancelBusUnavailable as exc:
+            raise APIError(503, f"request {rid!r} is not on this replica and the other replicas cannot be asked "
+                                f"right now (Redis: {exc})", code="cancel_bus_unavailable") from None
+    if state is None:
         raise APIError(404, f"no request with id {rid!r} is running or finished recently", param="request_id",
                        code="request_not_found")
+    return JSONResponse(state)
+
+
+async def cancel_local(ctx: ServerContext, rid: str) -> dict[str, Any] | None:
+    """Cancel `rid` if this process holds it (idempotent); its final state, or None if unknown here."""
+    rec = ctx.tracker.get(rid)
+    if rec is None:
+        return None
     if not rec.finished and rec.owner is not None:
         await rec.owner.cancel()
-    return JSONResponse(rec.final_state())
+    return rec.final_state()
 
 
 def routes() -> list[Route]:
@@ -66,6 +109,7 @@ def routes() -> list[Route]:
         Route("/v1/requests/{request_id:str}/cancel", cancel_request, methods=["POST"]),
         Route("/v1/requests/{request_id:str}", cancel_request, methods=["DELETE"]),
         Route("/debug/cache", debug_cache, methods=["GET"]),
+        Route("/v1/cache/stats", cache_stats, methods=["GET"]),
     ]
 
 

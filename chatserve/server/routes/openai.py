@@ -25,18 +25,37 @@ from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.params import build_sampling_params, cap_max_tokens, check_limits
 from chatserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from chatserve.server.streaming import collect_reply, sse_response, stream_events
+from chatserve.server.structured import check_constraint, request_constraint
+from chatserve.server.tool_replies import ToolChatFormat
+from chatserve.server.tool_request import ToolPlan, conversation, plan_tools
 
 
 def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The messages through the model's chat template (a PromptError names `messages`); template_kwargs
-    (the request's chat_template_kwargs) are variables for the template, as in vLLM."""
+                    template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None) -> list[int]:
+    """The messages through the chat template (a PromptError names `messages`); template_kwargs (the
+    request's chat_template_kwargs) are variables for the template, as in vLLM; the plan's tools are offered."""
     if len(messages) > ctx.settings.max_messages:
         raise bad_request(f"at most {ctx.settings.max_messages} messages are allowed, got {len(messages)}",
                           param="messages")
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    return ctx.engine.input_processor.render_chat(conversation, add_generation_prompt=add_generation_prompt,
-                                                  param="messages", **(template_kwargs or {}))
+    return ctx.engine.input_processor.render_chat(
+        conversation(messages), add_generation_prompt=add_generation_prompt, chat_template=ctx.chat_template,
+        tools=plan.template_tools() if plan is not None else None, param="messages", **(template_kwargs or {}))
+
+
+def chat_token_ids(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
+    """A chat body's prompt ids through the template, and its tool plan: the one rendering that the chat
+    route and the render/tokenize routes (routes/tokens.py) share, so a router's view of our tokens cannot drift."""
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.engine.input_processor,
+                      ctx.chat_template)
+    return chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan), plan
+
+
+def chat_prompt_and_plan(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ProcessedPrompt, ToolPlan | None]:
+    """The exact prompt a chat body runs as (every rule checked, with the reply's budget) and its tool plan."""
+    ids, plan = chat_token_ids(ctx, body)
+    prompt = ctx.engine.input_processor.process({"prompt_token_ids": ids}, max_tokens=body.effective_max_tokens(),
+                                                param="messages")
+    return prompt, plan
 
 
 async def chat_completions(request: Request) -> Response:
@@ -47,14 +66,18 @@ async def chat_completions(request: Request) -> Response:
     check_limits(ctx.settings, body)
     ctx.check_capacity()
     max_tokens = body.effective_max_tokens()
-    prompt_ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-    prompt = ctx.engine.input_processor.process({"prompt_token_ids": prompt_ids}, max_tokens=max_tokens,
-                                                param="messages")
+    prompt, plan = chat_prompt_and_plan(ctx, body)
     params = build_sampling_params(body, max_tokens, body.num_logprobs())
     cap_max_tokens(params, ctx.max_model_len, prompt.num_tokens)
+    constraint = request_constraint(body, plan)
+    if constraint is not None:
+        params.structured_outputs = constraint.params
+        await check_constraint(ctx.engine, constraint, params)  # a grammar that cannot compile: 400, nothing queued
     gen = Generation(ctx, request_id, [prompt], params)
     acc = Accumulator(body.n)
-    fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), ctx.model_name, body.top_logprobs or 0)
+    cid, created, top = f"chatcmpl-{request_id}", int(time.time()), body.top_logprobs or 0
+    fmt = ToolChatFormat(cid, created, ctx.model_name, top, plan) if plan is not None and plan.parses_calls \
+        else ChatFormat(cid, created, ctx.model_name, top)
     return await respond(request, ctx, body, request_id, gen, acc, fmt)
 
 
@@ -93,6 +116,10 @@ async def completions(request: Request) -> Response:
     params = build_sampling_params(body, body.max_tokens, body.logprobs)
     # One max_tokens for all prompts: the room the longest leaves (only lowers an implicit one).
     cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
+    constraint = request_constraint(body, None)
+    if constraint is not None:
+        params.structured_outputs = constraint.params
+        await check_constraint(ctx.engine, constraint, params)
     gen = Generation(ctx, request_id, prompts, params)
     acc = Accumulator(len(prompts) * body.n)
     texts = [_prompt_text(ctx, p) if body.echo else "" for p in prompts]

@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -24,11 +27,23 @@ from chatserve.server.errors import APIError, bad_request
 from chatserve.server.generation import Generation
 from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.params import build_sampling_params, cap_max_tokens, check_limits, check_stop_list
-from chatserve.server.protocol import CreateSessionRequest, SessionMessageRequest
+from chatserve.server.protocol import (
+    CreateSessionRequest,
+    ForkSessionRequest,
+    SessionMessageRequest,
+    SessionRegenerateRequest,
+    UpdateSessionRequest,
+)
+from chatserve.server.session_cache import report_for_api, turn_kv
 from chatserve.server.session_prompts import first_turn_ids, next_turn_ids
-from chatserve.server.session_turn import TURN_LOCK_TTL_S, SessionTurn, store_errors
+from chatserve.server.session_tools import first_tool_turn_ids, new_messages, next_tool_turn_ids, stored_user_text
+from chatserve.server.session_turn import SessionTurn, reply_stats, store_errors
 from chatserve.server.streaming import collect_reply, sse_response, stream_events
-from chatserve.sessions import SessionNotFound, SessionStore
+from chatserve.server.structured import check_constraint, request_constraint
+from chatserve.server.tool_replies import ToolChatFormat
+from chatserve.server.tool_request import ToolPlan, plan_tools
+from chatserve.sessions import Message, Session, SessionNotFound, SessionStore
+from chatserve.sessions.models import turn_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +64,7 @@ async def create_session(request: Request) -> JSONResponse:
     with store_errors():
         session = await store.create(system_prompt=body.system_prompt, metadata=body.metadata or {},
                                      ttl_seconds=body.ttl_seconds, defaults=defaults, model=ctx.model_name)
-    return JSONResponse(session.to_dict(), status_code=201)
+    return JSONResponse(session.to_dict(), status_code=201, headers={"X-Session-Id": session.id})
 
 
 async def list_sessions(request: Request) -> JSONResponse:
@@ -80,7 +95,10 @@ async def get_session(request: Request) -> JSONResponse:
     if found is None:
         raise APIError(404, f"session {sid!r} does not exist (or expired)", param="session_id", code="session_not_found")
     session, messages = found
-    return JSONResponse({**session.to_dict(), "messages": [m.to_dict() for m in messages]})
+    with store_errors():
+        history = await _store(ctx).get_history_tokens(sid)
+    kv_cache = report_for_api(await ctx.engine.session_cache_report(sid, history))
+    return JSONResponse({**session.to_dict(), "messages": [m.to_dict() for m in messages], "kv_cache": kv_cache})
 
 
 async def delete_session(request: Request) -> JSONResponse:
@@ -90,14 +108,80 @@ async def delete_session(request: Request) -> JSONResponse:
         deleted = await _store(ctx).delete(sid)
     if not deleted:
         raise APIError(404, f"session {sid!r} does not exist (or expired)", param="session_id", code="session_not_found")
+    try:
+        await ctx.engine.release_kv_lease(sid)  # its cached branch is plain LRU again
+    except Exception as exc:  # noqa: BLE001 - the session is gone either way; the lease just expires later
+        logger.warning("session %s: deleted, but its KV lease could not be released: %s", sid, exc)
     return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
+
+
+@dataclass
+class TurnPrompt:
+    """What a turn sends the engine: the exact prompt ids, the user text stored with the turn, and
+    whether the turn replaces the last stored one (regenerate) or follows it."""
+
+    prompt_ids: list[int]
+    user_text: str
+    replace_last_turn: bool = False
+    user_created_at: float | None = None  # set when the stored user message is kept (regenerate)
+
+
+# Given the session re-read under the lock, its messages and its token history: the turn's prompt.
+PlanTurn = Callable[[Session, list[Message], list[int]], TurnPrompt]
 
 
 async def post_message(request: Request) -> Response:
     ctx = get_context(request)
+    body = await read_model(request, SessionMessageRequest, ctx.settings)
+    engine = ctx.engine
+
+    def plan(session: Session, messages: list[Message], history: list[int]) -> TurnPrompt:
+        if body.has_tools:  # tools offered or tool results handed back: session_tools renders the new part
+            tools = session_tool_plan(ctx, body)
+            new = new_messages(body)
+            if history:
+                ids = next_tool_turn_ids(engine.input_processor, history, new, engine.eos_token_ids, tools,
+                                         ctx.chat_template)
+            else:
+                ids = first_tool_turn_ids(engine.input_processor, session.system_prompt, new, tools, ctx.chat_template)
+            return TurnPrompt(ids, stored_user_text(body))
+        assert body.content is not None
+        if history:
+            return TurnPrompt(next_turn_ids(engine.tokenizer, history, body.content, engine.eos_token_ids), body.content)
+        return TurnPrompt(first_turn_ids(engine.input_processor, session.system_prompt, body.content), body.content)
+
+    return await _run_turn(request, body, plan, param="content")
+
+
+async def regenerate(request: Request) -> Response:
+    """A new reply in place of the last one: the prompt is the stored history up to where that reply
+    started (`prompt_end`), token for token, so all of it is in the prefix cache."""
+    ctx = get_context(request)
+    body = await read_model(request, SessionRegenerateRequest, ctx.settings)
+    sid = request.path_params["session_id"]
+
+    def plan(session: Session, messages: list[Message], history: list[int]) -> TurnPrompt:
+        bounds = turn_bounds(messages)
+        if not bounds:
+            raise bad_request(f"session {sid!r} has no reply to regenerate yet; send a message first", param="session_id")
+        start, end = bounds[-1]
+        reply = messages[end - 1]
+        user = next((m for m in messages[start:end] if m.role == "user"), None)
+        if reply.prompt_end is None or user is None:
+            raise bad_request("the last reply was stored before replies recorded where their prompt ends; "
+                              "send a new message instead", param="session_id")
+        return TurnPrompt(history[:reply.prompt_end], user.content, replace_last_turn=True, user_created_at=user.created_at)
+
+    return await _run_turn(request, body, plan, param="session_id")
+
+
+async def _run_turn(request: Request, body: SessionMessageRequest | SessionRegenerateRequest, plan: PlanTurn,
+                    *, param: str) -> Response:
+    """One locked turn of a session: the prompt from `plan`, then the reply streamed or whole, and
+    the turn stored once at its end (with its stats) whatever happens to the client."""
+    ctx = get_context(request)
     store = _store(ctx)
     sid = request.path_params["session_id"]
-    body = await read_model(request, SessionMessageRequest, ctx.settings)
     request_id = request_id_from(request, ctx.settings)
     ctx.check_model(body.model)
     if body.n != 1:
@@ -108,25 +192,31 @@ async def post_message(request: Request) -> Response:
         session = await store.get(sid)
         if session is None:
             raise SessionNotFound(sid)
-        token = await store.acquire_turn_lock(sid, TURN_LOCK_TTL_S)
+        token = await store.acquire_turn_lock(sid, ctx.settings.session_turn_lock_ttl_s)
     turn: SessionTurn | None = None
     try:
         with store_errors():
-            session = await store.get(sid)  # re-read under the lock
-            if session is None:
+            found = await store.get_with_messages(sid)  # re-read under the lock
+            if found is None:
                 raise SessionNotFound(sid)
+            session, messages = found
             history = await store.get_history_tokens(sid)
         engine = ctx.engine
-        if history:
-            prompt_ids = next_turn_ids(engine.tokenizer, history, body.content, engine.eos_token_ids)
-        else:
-            prompt_ids = first_turn_ids(engine.input_processor, session.system_prompt, body.content)
-        prompt = engine.input_processor.process({"prompt_token_ids": prompt_ids}, max_tokens=body.max_tokens,
-                                                param="content")
+        planned = plan(session, messages, history)
+        prompt = engine.input_processor.process({"prompt_token_ids": planned.prompt_ids}, max_tokens=body.max_tokens,
+                                                param=param)
         params = build_sampling_params(body, body.max_tokens, 0 if body.logprobs else None, session.defaults)
         cap_max_tokens(params, ctx.max_model_len, prompt.num_tokens)
-        turn = SessionTurn(store, sid, token, session.num_turns, body.content, prompt_ids)
-        gen = Generation(ctx, request_id, [prompt], params)
+        tool_plan = session_tool_plan(ctx, body) if isinstance(body, SessionMessageRequest) else None
+        constraint = request_constraint(body, tool_plan)
+        if constraint is not None:
+            params.structured_outputs = constraint.params
+            await check_constraint(ctx.engine, constraint, params)
+        turn = SessionTurn(store, sid, token, session.num_turns, planned.user_text, planned.prompt_ids,
+                           replace_last_turn=planned.replace_last_turn, user_created_at=planned.user_created_at,
+                           lock_ttl_s=ctx.settings.session_turn_lock_ttl_s)
+        gen = Generation(ctx, request_id, [prompt], params,
+                         session=turn_kv(ctx.settings, session, planned.prompt_ids, history))
     except BaseException:
         if turn is None:
             with contextlib.suppress(Exception):
@@ -136,7 +226,9 @@ async def post_message(request: Request) -> Response:
         raise
     turn.start_refreshing()
     acc = Accumulator(1)
-    fmt = ChatFormat(f"chatcmpl-{request_id}", int(time.time()), ctx.model_name, 0)
+    cid, created = f"chatcmpl-{request_id}", int(time.time())
+    fmt = ToolChatFormat(cid, created, ctx.model_name, 0, tool_plan) if tool_plan is not None and tool_plan.parses_calls \
+        else ChatFormat(cid, created, ctx.model_name, 0)
     headers = {"X-Request-Id": request_id, "X-Session-Id": sid}
     if body.stream:
         include_usage = body.stream_options.include_usage if body.stream_options else True
@@ -144,7 +236,7 @@ async def post_message(request: Request) -> Response:
         async def on_end(completed: bool) -> None:
             # A turn that cannot be stored at the end of a full reply is the stream's last event.
             try:
-                await turn.finish(acc, gen.usage)
+                await turn.finish(acc, gen.usage, reply_stats(gen))
             except APIError as exc:
                 logger.warning("session %s: the turn could not be stored: %s", sid, exc.message)
                 if completed:
@@ -156,12 +248,71 @@ async def post_message(request: Request) -> Response:
         await collect_reply(request, gen, acc)
     except BaseException:
         # The client left (or the engine died): keep what was produced as an aborted turn.
-        ctx.spawn(turn.finish(acc, gen.usage))
+        ctx.spawn(turn.finish(acc, gen.usage, reply_stats(gen)))
         raise
-    await turn.finish(acc, gen.usage)  # a store failure here is the client's 503
+    stats = reply_stats(gen)
+    await turn.finish(acc, gen.usage, stats)  # a store failure here is the client's 503
     obj = fmt.reply(acc, gen.usage)
     obj["session_id"] = sid
+    obj["stats"] = stats
     return JSONResponse(obj, headers=headers)
+
+
+async def update_session(request: Request) -> JSONResponse:
+    """PATCH: rename (`title`, "" clears it), replace `metadata` or the sampling `defaults`."""
+    ctx = get_context(request)
+    store = _store(ctx)
+    sid = request.path_params["session_id"]
+    body = await read_model(request, UpdateSessionRequest, ctx.settings)
+    changes: dict[str, Any] = {}
+    if body.title is not None:
+        changes["title"] = body.title or None
+    if body.metadata is not None:
+        changes["metadata"] = body.metadata
+    if body.defaults is not None:
+        defaults = body.defaults.model_dump(exclude_none=True)
+        stop = defaults.get("stop", [])
+        check_stop_list(ctx.settings, [stop] if isinstance(stop, str) else stop, param="defaults.stop")
+        changes["defaults"] = defaults
+    if not changes:
+        raise bad_request("nothing to change: send title, metadata or defaults", param="title")
+    with store_errors():
+        session = await store.update(sid, **changes)
+    return JSONResponse(session.to_dict())
+
+
+async def fork_session(request: Request) -> JSONResponse:
+    """A branch: a new session with the first `keep_turns` turns and their exact token history, so its
+    next turn's prompt is a prefix-cache hit up to the branch point (an edit is a fork at the edited
+    turn followed by the new message on the fork; see the README's sessions section)."""
+    ctx = get_context(request)
+    store = _store(ctx)
+    sid = request.path_params["session_id"]
+    body = await read_model(request, ForkSessionRequest, ctx.settings)
+    options: dict[str, Any] = {}
+    if body.title is not None:
+        options["title"] = body.title or None
+    if body.metadata is not None:
+        options["metadata"] = body.metadata
+    try:
+        with store_errors():
+            fork = await store.fork(sid, body.keep_turns, **options)
+            found = await store.get_with_messages(fork.id)
+    except APIError as exc:
+        if exc.status == 400 and "keep_turns" in exc.message:
+            raise bad_request(exc.message, param="keep_turns") from None
+        raise
+    if found is None:  # deleted (or expired) in between: say so rather than answer half a fork
+        raise APIError(404, f"session {fork.id!r} vanished right after it was created", param="session_id",
+                       code="session_not_found")
+    session, messages = found
+    return JSONResponse({**session.to_dict(), "messages": [m.to_dict() for m in messages]}, status_code=201,
+                        headers={"X-Session-Id": session.id})  # the new session's id, not the path's
+
+
+def session_tool_plan(ctx: ServerContext, body: SessionMessageRequest) -> ToolPlan | None:
+    return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.engine.input_processor,
+                      ctx.chat_template)
 
 
 def routes() -> list[Route]:
@@ -170,7 +321,10 @@ def routes() -> list[Route]:
         Route("/v1/sessions", list_sessions, methods=["GET"]),
         Route("/v1/sessions/{session_id:str}", get_session, methods=["GET"]),
         Route("/v1/sessions/{session_id:str}", delete_session, methods=["DELETE"]),
+        Route("/v1/sessions/{session_id:str}", update_session, methods=["PATCH"]),
         Route("/v1/sessions/{session_id:str}/messages", post_message, methods=["POST"]),
+        Route("/v1/sessions/{session_id:str}/regenerate", regenerate, methods=["POST"]),
+        Route("/v1/sessions/{session_id:str}/fork", fork_session, methods=["POST"]),
     ]
 
 

@@ -1,8 +1,10 @@
-"""The browser client: `/` and its static files, shipped inside the package (`chatserve.web`)."""
+"""The browser client: `/` and its static files (vendored libraries under vendor/ included), shipped
+inside the package (`chatserve.web`)."""
 
 from __future__ import annotations
 
 import importlib.resources
+import mimetypes
 from typing import Any
 
 from starlette.requests import Request
@@ -11,6 +13,10 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from chatserve.server.errors import error_body
+
+# The vendored markdown-it is an ES module file (.mjs); a module script needs a JavaScript type,
+# and not every platform's mimetypes table knows the suffix.
+mimetypes.add_type("text/javascript", ".mjs")
 
 
 def _web_dir() -> Any:

@@ -1,0 +1,235 @@
+"""`chatserve cluster`: N replicas behind vLLM's router (`vllm-router`), sharing one Redis.
+
+We do not write a router. vLLM's Rust router already fronts chatserve unchanged: its
+`sticky_least_loaded` policy keeps a session on its replica by the `X-Session-Id` header, and
+its default `cache_aware` policy places requests by the token ids our `/v1/chat/completions/render`
+returns (routes/tokens.py). What this module adds is the launch: Redis if none answers, the
+replicas on consecutive ports (each a `chatserve serve` process), the router in front with
+health checks tight enough that a dead replica leaves rotation within a few seconds, and a stop
+that reaches every process it started, by PID, whatever way the launcher exits.
+
+Replicas share nothing but Redis: session histories live there (a session whose replica dies
+continues on another one, as a cache miss), and so do cancels (server/cancel_bus.py), so a
+cancel may land on any replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+import httpx
+
+RouterPolicy = Literal["cache_aware", "sticky_least_loaded", "round_robin", "power_of_two", "consistent_hash",
+                       "random", "kv_aware"]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. `serve_args` go to every replica (model, dtype, threads, ...)."""
+
+    replicas: int = 2
+    host: str = "127.0.0.1"
+    router_port: int = 8000
+    first_replica_port: int = 8001
+    policy: RouterPolicy = "cache_aware"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    threads_per_replica: int | None = None  # torch threads per replica (default: cores / replicas)
+    serve_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    health_check_interval_s: int = 1
+    health_failure_threshold: int = 2
+    log_dir: Path | None = None  # one log file per process; None: inherit the launcher's output
+    startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def replica_urls(self) -> list[str]:
+        return [f"http://{self.host}:{self.first_replica_port + i}" for i in range(self.replicas)]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path | None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+
+@dataclass
+class Cluster:
+    """The running processes, by name ("redis", "replica-0", ..., "router")."""
+
+    spec: ClusterSpec
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    def replica(self, i: int) -> Process:
+        return self.processes[f"replica-{i}"]
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.processes[name]
+        if p.proc.poll() is None:
+            p.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM to every process we started (router first, Redis last), SIGKILL to any still up."""
+        order = sorted(self.processes.values(), key=lambda p: (p.name != "router", p.name == "redis"))
+        for p in order:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in order:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(10)
+
+
+def router_command(spec: ClusterSpec, prometheus_port: int) -> list[str]:
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    return [exe, "--host", spec.host, "--port", str(spec.router_port), "--policy", spec.policy,
+            "--worker-urls", *spec.replica_urls(),
+            "--health-check-endpoint", "/health",
+            "--health-check-interval-secs", str(spec.health_check_interval_s),
+            "--health-failure-threshold", str(spec.health_failure_threshold),
+            "--health-success-threshold", "1",
+            "--health-check-timeout-secs", "2",
+            "--worker-startup-check-interval", "1",
+            "--worker-startup-timeout-secs", str(int(spec.startup_timeout_s)),
+            "--prometheus-host", spec.host, "--prometheus-port", str(prometheus_port),
+            "--request-id-headers", "x-request-id",
+            *spec.router_args]
+
+
+def replica_command(spec: ClusterSpec, i: int) -> list[str]:
+    threads = spec.threads_per_replica or max(1, (os.cpu_count() or 1) // spec.replicas)
+    # Draining, a replica keeps answering /health with 503 for as long as the router needs to see it
+    # (its interval x failure threshold, plus one), so new requests move away before the socket closes.
+    notice_s = spec.health_check_interval_s * spec.health_failure_threshold + 1
+    return [sys.executable, "-m", "chatserve", "serve", "--host", spec.host,
+            "--port", str(spec.first_replica_port + i), "--redis-url", spec.redis_url,
+            "--num-threads", str(threads), "--drain-notice-s", str(notice_s), *spec.serve_args]
+
+
+def _free_port(host: str) -> int:
+    """A port free now, for the router's Prometheus listener (it has no "pick one" value)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _wait_healthy(url: str, proc: Process, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.log()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError(f"{proc.name} did not become healthy at {url}:\n{proc.log()[-3000:]}")
+
+
+@contextlib.contextmanager
+def run_cluster(spec: ClusterSpec) -> Iterator[Cluster]:
+    """Start everything, wait until the router answers, yield; stop everything on the way out."""
+    cluster = Cluster(spec)
+    env = {**os.environ, **spec.env}
+    logs: list[IO[bytes]] = []
+
+    def start(name: str, args: Sequence[str]) -> Process:
+        log_path = spec.log_dir / f"{name}.log" if spec.log_dir else None
+        out: IO[bytes] | None = None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(log_path, "wb")  # noqa: SIM115 - closed after the processes stop
+            logs.append(out)
+        proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+        cluster.processes[name] = Process(name, proc, log_path)
+        return cluster.processes[name]
+
+    try:
+        if not _redis_answers(spec.redis_url):
+            redis_server = shutil.which("redis-server")
+            if redis_server is None:
+                raise RuntimeError(f"no Redis answers at {spec.redis_url} and redis-server is not installed")
+            port = httpx.URL(spec.redis_url.replace("redis://", "http://")).port or 6379
+            redis = start("redis", [redis_server, "--port", str(port), "--bind", spec.host, "--save", "",
+                                    "--appendonly", "no"])
+            deadline = time.monotonic() + 20
+            while not _redis_answers(spec.redis_url):
+                if redis.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start:\n{redis.log()[-2000:]}")
+                time.sleep(0.05)
+        deadline = time.monotonic() + spec.startup_timeout_s
+        for i in range(spec.replicas):
+            start(f"replica-{i}", replica_command(spec, i))
+        for i, url in enumerate(spec.replica_urls()):
+            _wait_healthy(url, cluster.replica(i), deadline)
+        router = start("router", router_command(spec, _free_port(spec.host)))
+        _wait_router(spec, router, deadline)
+        yield cluster
+    finally:
+        cluster.stop()
+        for fh in logs:
+            fh.close()
+
+
+def _wait_router(spec: ClusterSpec, router: Process, deadline: float) -> None:
+    """Up once the router forwards: it answers /v1/models from a healthy replica."""
+    while time.monotonic() < deadline:
+        if router.proc.poll() is not None:
+            raise RuntimeError(f"vllm-router exited with {router.proc.returncode}:\n{router.log()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{spec.router_url}/v1/models", timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError(f"vllm-router did not answer at {spec.router_url}:\n{router.log()[-3000:]}")
+
+
+def serve_cluster(spec: ClusterSpec) -> int:
+    """The `chatserve cluster` command: start, print where, run until SIGINT/SIGTERM, stop all."""
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with run_cluster(spec) as cluster:
+        print(f"chatserve cluster: {spec.replicas} replicas behind vllm-router ({spec.policy}) at "
+              f"{spec.router_url}/v1  (replicas: {', '.join(spec.replica_urls())}; redis: {spec.redis_url})",
+              flush=True)
+        while not stop["now"]:
+            for p in cluster.processes.values():
+                if p.proc.poll() is not None and p.name in ("router", "redis"):
+                    print(f"chatserve cluster: {p.name} exited with {p.proc.returncode}; stopping", flush=True)
+                    return 1
+            time.sleep(0.5)
+    return 0

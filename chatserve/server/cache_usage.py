@@ -1,0 +1,37 @@
+"""The `chatserve` extension of `usage`: how much of the prompt the prefix cache served, and why not more.
+
+OpenAI clients ignore unknown `usage` fields, so this rides next to
+`prompt_tokens_details.cached_tokens` in every reply, zeros included (see README "Why a request
+missed the cache"). It is read from each engine request's `RequestStats`, the one record of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatserve.outputs import RequestStats
+
+
+def prefix_cache_report(stats: RequestStats | None) -> dict[str, Any]:
+    """One engine request's lookup; a request never admitted (aborted while queued) reports zeros."""
+    if stats is None or stats.first_scheduled_time is None:
+        return {"matched_tokens": 0, "miss_reason": "new", "diverged_at": None, "lease_hit": False,
+                "session_history_matched": None}
+    return {
+        "matched_tokens": stats.num_cached_tokens,
+        "miss_reason": stats.cache_miss_reason,
+        "diverged_at": stats.cache_diverged_at,
+        "lease_hit": stats.cache_lease_hit,
+        "session_history_matched": stats.session_history_matched,
+    }
+
+
+def usage_extension(per_prompt: list[RequestStats | None]) -> dict[str, Any]:
+    """The whole HTTP request's object: its only prompt's report, or with several prompts (completions)
+    the first one's, `matched_tokens` summed, and every prompt's own report under `per_prompt`."""
+    reports = [prefix_cache_report(s) for s in per_prompt] or [prefix_cache_report(None)]
+    out = dict(reports[0])
+    if len(reports) > 1:
+        out["matched_tokens"] = sum(r["matched_tokens"] for r in reports)
+        out["per_prompt"] = reports
+    return out

@@ -1,0 +1,76 @@
+"""Chat replies that may hold tool calls: `message.tool_calls` in a body, `delta.tool_calls` in a stream.
+
+`ToolChatFormat` is a `ChatFormat` whose text goes through a `ToolCallStreamParser` per choice:
+text that cannot be part of a call streams as `delta.content` at once; a possible opening
+`<tool_call>` is held back until it is known; a complete call streams as OpenAI does, one chunk
+with its `index`, `id`, `type` and `function.name` (arguments ""), then one with its
+`function.arguments`. A choice that called tools and stopped finishes with "tool_calls". The
+accumulated raw text (what a session stores) is untouched; only its presentation changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatserve.server.choices import Accumulator, ChoiceDelta
+from chatserve.server.chunks import ChatFormat, chat_logprobs
+from chatserve.server.tool_request import ToolPlan
+from chatserve.tools import ToolCallStreamParser, parse_tool_calls
+from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent
+
+
+def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+class ToolChatFormat(ChatFormat):
+    def __init__(self, cid: str, created: int, model: str, top_logprobs: int, plan: ToolPlan) -> None:
+        super().__init__(cid, created, model, top_logprobs)
+        self.plan = plan
+        self._parsers: dict[int, ToolCallStreamParser] = {}
+
+    def _parser(self, index: int) -> ToolCallStreamParser:
+        if index not in self._parsers:
+            self._parsers[index] = self.plan.parser()
+        return self._parsers[index]
+
+    def delta_choices(self, d: ChoiceDelta) -> list[dict[str, Any]]:
+        parser = self._parser(d.index)
+        events = parser.feed(d.text) if d.text else []
+        if d.finish_reason:
+            events += parser.finish()
+        out = self._event_choices(d.index, events)
+        if d.logprobs and d.token_ids:  # logprobs ride on a content chunk (empty while text is held back)
+            if out and "content" in out[0]["delta"]:
+                out[0]["logprobs"] = chat_logprobs(d, self.top_logprobs)
+            else:
+                out.insert(0, {"index": d.index, "delta": {"content": ""},
+                               "logprobs": chat_logprobs(d, self.top_logprobs), "finish_reason": None})
+        if d.finish_reason:
+            out.append({"index": d.index, "delta": {}, "logprobs": None,
+                        "finish_reason": tool_finish_reason(d.finish_reason, bool(parser.calls))})
+        return out
+
+    @staticmethod
+    def _event_choices(index: int, events: list[StreamEvent]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, TextEvent):
+                out.append({"index": index, "delta": {"content": e.text}, "logprobs": None, "finish_reason": None})
+            elif isinstance(e, CallEvent):
+                opening = {"index": e.index, "id": e.call.id, "type": "function",
+                           "function": {"name": e.call.name, "arguments": ""}}
+                out.append({"index": index, "delta": {"tool_calls": [opening]}, "logprobs": None, "finish_reason": None})
+                arguments = {"index": e.index, "function": {"arguments": e.call.arguments}}
+                out.append({"index": index, "delta": {"tool_calls": [arguments]}, "logprobs": None, "finish_reason": None})
+        return out
+
+    def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
+        choice = super().whole_choice(acc, index)
+        c = acc.choices[index]
+        parsed = parse_tool_calls(c.content, self.plan.format, [t.name for t in self.plan.choice.allowed(self.plan.tools)])
+        if parsed.tool_calls:
+            choice["message"]["content"] = parsed.content
+            choice["message"]["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+            choice["finish_reason"] = tool_finish_reason(c.finish_reason, True)
+        return choice

@@ -1,0 +1,77 @@
+"""A chat request's tools: which may be called, how the prompt renders them, and how replies are read.
+
+`plan_tools` turns the validated `tools` / `tool_choice` / `parallel_tool_calls` into a `ToolPlan`
+(the template and call format come from the input processor's `tool_rendering`), and
+`conversation` turns the request's messages into what chat templates expect: assistant calls as
+`tool_calls` with their arguments as objects, tool results as `role: "tool"` messages.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from chatserve.engine.input_processor import InputProcessor, ToolRendering
+from chatserve.server.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from chatserve.tools import FunctionTool, ToolCallStreamParser, ToolChoice, ToolFormat
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools mean for its prompt, its grammar and its reply."""
+
+    tools: list[FunctionTool]
+    choice: ToolChoice
+    parallel: bool
+    rendering: ToolRendering
+
+    @property
+    def format(self) -> ToolFormat:
+        return self.rendering.format
+
+    @property
+    def parses_calls(self) -> bool:
+        """Whether replies are read for calls (not with tool_choice "none")."""
+        return bool(self.choice.allowed(self.tools))
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The `tools=` of the chat template: none with tool_choice "none" (the model is not offered them)."""
+        return [t.to_template() for t in self.tools] if self.parses_calls else None
+
+    def parser(self) -> ToolCallStreamParser:
+        return ToolCallStreamParser(self.format, [t.name for t in self.choice.allowed(self.tools)])
+
+
+def plan_tools(tools: list[ToolDefinition] | None, tool_choice: Any, parallel: bool, processor: InputProcessor,
+               chat_template: str | None) -> ToolPlan | None:
+    if not tools:
+        return None
+    specs = [FunctionTool(t.function.name, t.function.description, t.function.parameters) for t in tools]
+    choice = ToolChoice("named", tool_choice.function.name) if isinstance(tool_choice, NamedToolChoice) \
+        else ToolChoice.from_openai(tool_choice)
+    return ToolPlan(specs, choice, parallel, processor.tool_rendering(chat_template))
+
+
+def _arguments_value(text: str) -> Any:
+    """A call's arguments as the object templates render (its JSON text if it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them ("developer" is "system" to a template)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}} for c in m.tool_calls]
+        if m.role == "tool":
+            entry["tool_call_id"] = m.tool_call_id
+            if m.name:
+                entry["name"] = m.name
+        out.append(entry)
+    return out

@@ -1,0 +1,225 @@
+"""Turn a request's `StructuredOutputsParams` into an xgrammar `CompiledGrammar`, off the step loop.
+
+Why a service of its own: compiling a JSON schema takes milliseconds to seconds (and building the
+tokenizer's xgrammar view takes ~0.6 s once), so it must never run inside an engine step that also
+carries other users' tokens. Every compile runs on one worker thread; results (and failures, so a
+bad schema sent in a loop is refused at once) sit in an LRU cache keyed by the spec's canonical
+text, and concurrent requests for the same spec share one compile.
+
+Thread safety: `submit`, `compile` and `stats` may be called from any thread (the event loop, the
+engine's step thread); the cache and the in-flight table are guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import xgrammar as xgr
+
+from chatserve.sampling_params import StructuredOutputsParams
+
+CacheKey = tuple[str, str]
+
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /project/cpp/file.cc:123: "; users need the rest.
+_CPP_LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+# What each kind's error says it was given, after "structured_outputs.<kind>: invalid ".
+_WHAT = {
+    "json": "JSON schema",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "grammar",
+    "json_object": "JSON object grammar",
+    "structural_tag": "structural tag",
+}
+# NOTE: free whitespace in JSON lets a small model loop on newlines until max_tokens; a run of
+# more than this many whitespace characters between tokens is never needed for readable JSON.
+MAX_JSON_WHITESPACE = 16
+
+
+class StructuredOutputError(ValueError):
+    """A structured-outputs spec that cannot be compiled; the message names the field
+    (``structured_outputs.<kind>: invalid <what>: <reason>``) so the server can answer 400."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"structured_outputs.{kind}: invalid {_WHAT.get(kind, kind)}: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class CompilerStats:
+    """Counters for tests and benchmarks: a second compile of the same spec is a hit, not a compile."""
+
+    hits: int  # served from the cache (or joined a compile already in flight)
+    misses: int  # compiled (or failed) for the first time
+    cached: int  # entries in the cache now
+    compile_seconds: float  # total time spent compiling, tokenizer setup included
+
+
+def _clean(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return _CPP_LOCATION.sub("", text.splitlines()[0] if text else text).strip()
+
+
+def _choice_ebnf(choices: Sequence[str]) -> str:
+    """``root ::= "a" | "b"``: EBNF string literals take C-style escapes, which json.dumps writes."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _structural_tag_text(value: dict[str, Any] | str) -> str:
+    """The structural tag as xgrammar's JSON; the legacy vLLM shape ({structures, triggers}) is converted."""
+    data = json.loads(value) if isinstance(value, str) else value
+    if isinstance(data, dict) and "structures" in data and "format" not in data:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=s.get("schema", {}), end=s["end"]) for s in data["structures"]]
+        return xgr.StructuralTag.from_legacy_structural_tag(items, list(data.get("triggers", []))).model_dump_json()
+    return json.dumps(data)
+
+
+def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    """One spec through xgrammar; any failure becomes a StructuredOutputError naming the kind."""
+    kind = spec.kind
+    try:
+        if kind == "json":
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        if kind == "json_object":
+            # NOTE: not compile_builtin_json_grammar: its root also takes a top-level array, and
+            # OpenAI's json_object promises an object. strict_mode=False lets any property in.
+            return compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=True, strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
+            )
+        if kind == "regex":
+            assert spec.regex is not None
+            return compiler.compile_regex(spec.regex)
+        if kind == "choice":
+            assert spec.choice is not None
+            return compiler.compile_grammar(_choice_ebnf(spec.choice))
+        if kind == "grammar":
+            assert spec.grammar is not None
+            return compiler.compile_grammar(spec.grammar)
+        assert spec.structural_tag is not None
+        return compiler.compile_structural_tag(_structural_tag_text(spec.structural_tag))
+    except StructuredOutputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, pydantic errors...
+        raise StructuredOutputError(kind, _clean(exc)) from exc
+
+
+class GrammarCompilerService:
+    """Compiles specs for one engine's tokenizer, cached, on one worker thread.
+
+    ``vocab_size`` is the model's logits width (lm_head rows), which may exceed the tokenizer's
+    length: xgrammar then treats the padding ids as never allowed, so a constrained row can never
+    sample one. ``stop_token_ids`` are the engine's end tokens: what a finished grammar allows.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        cache_size: int = 256,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_size = cache_size
+        self._compiler: xgr.GrammarCompiler | None = None  # built on first compile (~0.6 s)
+        self._cache: OrderedDict[CacheKey, xgr.CompiledGrammar | StructuredOutputError] = OrderedDict()
+        self._in_flight: dict[CacheKey, Future[xgr.CompiledGrammar]] = {}
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._hits = 0
+        self._misses = 0
+        self._compile_seconds = 0.0
+
+    # ---- public ----------------------------------------------------------------------------------
+    def submit(self, spec: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+        """A future of the compiled grammar (already done on a cache hit); its exception is a
+        StructuredOutputError. Never blocks on a compile."""
+        key = spec.cache_key()
+        with self._lock:
+            cached = self._lookup(key)
+            if cached is not None:
+                self._hits += 1
+                done: Future[xgr.CompiledGrammar] = Future()
+                if isinstance(cached, StructuredOutputError):
+                    done.set_exception(StructuredOutputError(cached.kind, cached.reason))  # one object per raise
+                else:
+                    done.set_result(cached)
+                return done
+            running = self._in_flight.get(key)
+            if running is not None:
+                self._hits += 1
+                return running
+            self._misses += 1
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-grammar")
+            future = self._executor.submit(self._compile_and_store, key, spec)
+            self._in_flight[key] = future
+            return future
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """Blocking: the compiled grammar, or StructuredOutputError. For validation before queueing."""
+        return self.submit(spec).result()
+
+    def stats(self) -> CompilerStats:
+        with self._lock:
+            return CompilerStats(self._hits, self._misses, len(self._cache), self._compile_seconds)
+
+    def clear_cache(self) -> None:
+        """Forget every compiled grammar (benchmarks measure cold compiles with this)."""
+        with self._lock:
+            self._cache.clear()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- worker thread ---------------------------------------------------------------------------
+    def _compile_and_store(self, key: CacheKey, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        t0 = time.perf_counter()
+        result: xgr.CompiledGrammar | StructuredOutputError
+        try:
+            result = self._compile_uncached(spec)
+        except StructuredOutputError as exc:
+            result = exc
+        except Exception as exc:  # noqa: BLE001 - a bug or an xgrammar surprise: this request only
+            result = StructuredOutputError(spec.kind, _clean(exc))
+        with self._lock:
+            self._compile_seconds += time.perf_counter() - t0
+            self._in_flight.pop(key, None)
+            self._cache[key] = result
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        if isinstance(result, StructuredOutputError):
+            raise result
+        return result
+
+    def _compile_uncached(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The one place xgrammar compiles (tests slow it down here to check nobody waits on it)."""
+        return compile_spec(self._xgr_compiler(), spec)
+
+    def _xgr_compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+            # NOTE: xgrammar's own cache is off: ours is keyed by the spec and counts hits.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def _lookup(self, key: CacheKey) -> xgr.CompiledGrammar | StructuredOutputError | None:
+        value = self._cache.get(key)
+        if value is not None:
+            self._cache.move_to_end(key)
+        return value

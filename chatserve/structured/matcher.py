@@ -1,0 +1,43 @@
+"""One sequence's position in its grammar.
+
+Why a wrapper: the engine and the sampler should not know xgrammar's API, and the engine needs
+two facts per step only: did the grammar take the sampled token, and has it ended.
+
+Preemption by recompute keeps a sequence's output tokens (only their KV is recomputed, and no
+token is sampled until the recompute reaches the end), so the matcher is never rewound or
+advanced twice: it always stands after the last output token.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+
+class SequenceMatcher:
+    """A GrammarMatcher over one compiled grammar; each of a request's n sequences has its own."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar cannot take it (the matcher is unchanged)."""
+        ok = bool(self._matcher.accept_token(token_id))
+        if ok:
+            self.num_accepted += 1
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (it accepted a stop token): the sequence is complete."""
+        return bool(self._matcher.is_terminated())
+
+    @property
+    def is_completed(self) -> bool:
+        """The output so far is a full match (a stop token may come next, or more text)."""
+        return bool(self._matcher.is_completed())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (1 bit per token, 1 = allowed)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -1,0 +1,237 @@
+"""Two replicas behind the real vLLM router (`vllm-router`), sharing the real Redis, on loopback.
+
+What scale-out must keep: a session's later turns land where its KV blocks are (under
+`sticky_least_loaded` keyed on X-Session-Id, and under the default `cache_aware` with no header
+at all, which places requests by the token ids our /v1/chat/completions/render returns), a
+cancel sent through the router stops the right request whichever replica it reaches, and a
+replica killed mid-run loses no finished turn while every session continues on the other one.
+
+Which replica served a response is read from its X-Chatserve-Instance header. Replicas run one
+torch thread each (this machine has two cores) and replies are a few tokens: the mechanism is
+under test, not speed (scripts/bench_serving.py measures that).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from chatserve.cluster import Cluster, ClusterSpec, Process, router_command, run_cluster
+
+from .helpers.net import free_port, wait_until
+from .helpers.streams import stream_in_thread
+
+# slow: two replicas and a router take minutes to start on 2 busy cores; `make test-all` runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(shutil.which("vllm-router") is None and not Path(__file__).parents[1].joinpath(
+                  ".venv/bin/vllm-router").exists(), reason="vllm-router is not installed (dev extras)")]
+
+REDIS_DB = 12  # this module's own database on the shared Redis
+REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
+BLOCK = 16
+WORDS = ("river", "lantern", "copper", "meadow", "signal", "harbor", "thistle", "granite", "orbit", "velvet",
+         "cinder", "willow", "pixel", "saffron", "quartz", "ember", "falcon", "glacier", "juniper", "marble")
+
+
+def system_prompt(i: int, n_words: int = 450) -> str:
+    """A distinct ~600-token system prompt per i (no two share more than the opening words)."""
+    words = [WORDS[(i * 7 + k * (i + 3)) % len(WORDS)] for k in range(n_words)]
+    return f"You are assistant {i}. Remember these words in order: " + " ".join(words) + "."
+
+
+def instance(resp: httpx.Response) -> str:
+    return resp.headers["x-chatserve-instance"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    spec = ClusterSpec(
+        replicas=2, router_port=free_port(), first_replica_port=_two_free_ports(), policy="sticky_least_loaded",
+        redis_url=REDIS_URL, threads_per_replica=1, log_dir=tmp_path_factory.mktemp("cluster-logs"),
+        serve_args=("--max-model-len", "2048", "--log-level", "warning", "--session-turn-lock-ttl-s", "4",
+                    "--shutdown-grace-s", "2"),
+        env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    with run_cluster(spec) as running:
+        yield running
+    redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+def _two_free_ports() -> int:
+    """A port p with p + 1 free too (replicas listen on consecutive ports)."""
+    import socket
+
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _turn(client: httpx.Client, sid: str, text: str, header: bool) -> httpx.Response:
+    headers = {"X-Session-Id": sid} if header else {}
+    resp = client.post(f"/v1/sessions/{sid}/messages", headers=headers,
+                       json={"content": text, "max_tokens": 4, "temperature": 0, "stream": False})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def test_sticky_sessions_keep_their_replica_and_their_cache(cluster: Cluster) -> None:
+    with httpx.Client(base_url=cluster.spec.router_url, timeout=120) as client:
+        sids = []
+        for i in range(4):
+            created = client.post("/v1/sessions", json={"system_prompt": system_prompt(i)})
+            assert created.status_code == 201, created.text
+            sids.append(created.json()["id"])
+        served: dict[str, list[str]] = {sid: [] for sid in sids}
+        cached: dict[str, list[tuple[int, int]]] = {sid: [] for sid in sids}
+        history = dict.fromkeys(sids, 0)
+        for turn in range(3):  # interleaved: every session's turn k before any turn k+1
+            for sid in sids:
+                resp = _turn(client, sid, f"Turn {turn}: which word came third?", header=True)
+                assert resp.headers["x-session-id"] == sid
+                usage = resp.json()["usage"]
+                served[sid].append(instance(resp))
+                cached[sid].append((usage["prompt_tokens_details"]["cached_tokens"], history[sid]))
+                history[sid] = usage["prompt_tokens"] + usage["completion_tokens"]
+    for sid in sids:
+        assert len(set(served[sid])) == 1, f"session {sid} moved between replicas: {served[sid]}"
+        for got, hist in cached[sid][1:]:
+            assert got >= hist - BLOCK, f"session {sid}: {got} cached of a {hist}-token history"
+    assert len({s[0] for s in served.values()}) == 2, f"all sessions on one replica: {served}"
+
+
+def test_cache_aware_places_stateless_chats_by_their_tokens_without_any_header(cluster: Cluster) -> None:
+    router = _start_router(cluster, "cache_aware")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{router.port}", timeout=120) as client:
+            convs = [[{"role": "system", "content": system_prompt(10 + i)}] for i in range(4)]
+            served: list[list[str]] = [[] for _ in convs]
+            prev_prompt = [0] * len(convs)
+            for turn in range(3):
+                for i, messages in enumerate(convs):
+                    messages.append({"role": "user", "content": f"Turn {turn}: which word came first?"})
+                    resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4,
+                                                                     "temperature": 0})
+                    assert resp.status_code == 200, resp.text
+                    usage = resp.json()["usage"]
+                    served[i].append(instance(resp))
+                    if turn > 0:  # the re-rendered history: at least the last prompt, less a partial block
+                        cached = usage["prompt_tokens_details"]["cached_tokens"]
+                        assert cached >= prev_prompt[i] - BLOCK, (i, turn, cached, prev_prompt[i])
+                    prev_prompt[i] = usage["prompt_tokens"]
+                    messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+        for i, where in enumerate(served):
+            assert len(set(where)) == 1, f"conversation {i} moved between replicas: {where}"
+    finally:
+        router.stop()
+
+
+def test_a_cancel_through_the_router_stops_the_right_request(cluster: Cluster) -> None:
+    """Under cache_aware nothing ties the cancel to the owner: the replica it reaches asks the
+    other over Redis. Also cancelled at the replica that does NOT hold it, to prove that path."""
+    router = _start_router(cluster, "cache_aware")
+    try:
+        base = f"http://127.0.0.1:{router.port}"
+        urls = cluster.spec.replica_urls()
+        for target in ("router", "peer"):
+            rid = f"cancel-me-{target}-{time.monotonic_ns()}"
+            stream = stream_in_thread(base, "/v1/chat/completions",
+                                      {"messages": [{"role": "user", "content": "Tell a long story."}],
+                                       "max_tokens": 1500, "ignore_eos": True, "stream": True},
+                                      headers={"X-Request-Id": rid})
+            wait_until(lambda s=stream: s.data, 120, "the stream to start")
+            owner = "http://" + stream.headers["x-chatserve-instance"]
+            assert owner in urls
+            url = base if target == "router" else next(u for u in urls if u != owner)
+            resp = httpx.post(f"{url}/v1/requests/{rid}/cancel", timeout=30)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["id"] == rid and resp.json()["status"] == "aborted"
+            stream.join(60)
+            assert stream.finish_reasons == ["abort"], stream
+    finally:
+        router.stop()
+
+
+def test_a_killed_replica_loses_no_finished_turn_and_sessions_continue(cluster: Cluster) -> None:
+    """Runs last: it kills replica 0. The turn it was running is stored not at all (SIGKILL: no
+    half turn), its lock expires (4 s here), and the session's next turn runs on replica 1."""
+    with httpx.Client(base_url=cluster.spec.router_url, timeout=120) as client:
+        sids = [client.post("/v1/sessions", json={"system_prompt": system_prompt(20 + i)}).json()["id"]
+                for i in range(4)]
+        where = {sid: instance(_turn(client, sid, "First turn.", header=True)) for sid in sids}
+        victim_url = cluster.spec.replica_urls()[0]
+        victim_name = victim_url.removeprefix("http://")
+        doomed = next((sid for sid in sids if where[sid] == victim_name), None)
+        assert doomed is not None, f"no session on replica 0: {where}"
+        running = stream_in_thread(cluster.spec.router_url, f"/v1/sessions/{doomed}/messages",
+                                   {"content": "Now a very long answer.", "max_tokens": 1000, "ignore_eos": True,
+                                    "stream": True}, headers={"X-Session-Id": doomed})
+        wait_until(lambda: running.data or running.status not in (None, 200), 120, "the doomed turn to stream")
+        assert running.status == 200, (running.status, running.body)
+        cluster.kill("replica-0")
+        cluster.replica(0).proc.wait(30)
+        running.join(60)
+        for sid in sids:  # every session continues (the doomed one once its lock expires)
+            deadline = time.monotonic() + 60
+            while True:
+                resp = client.post(f"/v1/sessions/{sid}/messages", headers={"X-Session-Id": sid},
+                                   json={"content": "Still there?", "max_tokens": 4, "temperature": 0, "stream": False})
+                if resp.status_code == 200 or time.monotonic() > deadline:
+                    break
+                assert resp.status_code in (409, 502, 503), resp.text  # busy (dead turn's lock) or routing away
+                time.sleep(0.5)
+            assert resp.status_code == 200, resp.text
+            assert instance(resp) != victim_name
+        for sid in sids:
+            got = client.get(f"/v1/sessions/{sid}").json()
+            roles = [m["role"] for m in got["messages"]]
+            assert roles == ["user", "assistant", "user", "assistant"], (sid, roles)  # no half turn, none lost
+            assert all(m["content"] for m in got["messages"] if m["role"] == "assistant")
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+class _Router:
+    def __init__(self, process: Process, port: int) -> None:
+        self.process, self.port = process, port
+
+    def stop(self) -> None:
+        if self.process.proc.poll() is None:
+            self.process.proc.send_signal(signal.SIGTERM)
+            try:
+                self.process.proc.wait(20)
+            except Exception:  # noqa: BLE001
+                self.process.proc.kill()
+
+
+def _start_router(cluster: Cluster, policy: str) -> _Router:
+    """A second router over the same replicas, with another policy (the replicas keep their caches)."""
+    import subprocess
+
+    port = free_port()
+    spec = ClusterSpec(**{**cluster.spec.__dict__, "router_port": port, "policy": policy})
+    log = (cluster.spec.log_dir or Path("/tmp")) / f"router-{policy}-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(router_command(spec, free_port()), stdout=out, stderr=subprocess.STDOUT)
+    router = _Router(Process(f"router-{policy}", proc, log), port)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, router.process.log()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return router
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, router.process.log()[-3000:]
+        time.sleep(0.25)

@@ -19,6 +19,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,13 +127,25 @@ def replica_command(spec: ClusterSpec, i: int) -> list[str]:
             "--num-threads", str(threads), "--drain-notice-s", str(notice_s), *spec.serve_args]
 
 
-def _free_port(host: str) -> int:
-    """A port free now, for the router's Prometheus listener (it has no "pick one" value)."""
-    import socket
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (e.g. for the router's Prometheus listener: it has no "pick one" value)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+
+def consecutive_free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """A port p with p .. p + count - 1 all free now (replicas listen on consecutive ports)."""
+    for _ in range(100):
+        first = free_port(host)
+        try:
+            for offset in range(1, count):
+                with socket.socket() as sock:
+                    sock.bind((host, first + offset))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 def _redis_answers(url: str) -> bool:
@@ -145,15 +158,17 @@ def _redis_answers(url: str) -> bool:
         return False
 
 
-def _wait_healthy(url: str, proc: Process, deadline: float) -> None:
+def _wait_answering(url: str, proc: Process, deadline: float) -> None:
+    """Until GET `url` is a 200 (a replica's /health, the router's /v1/models once it forwards);
+    fails at once, with the process's log, if the process exits."""
     while time.monotonic() < deadline:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.log()[-3000:]}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return
         time.sleep(0.25)
-    raise RuntimeError(f"{proc.name} did not become healthy at {url}:\n{proc.log()[-3000:]}")
+    raise RuntimeError(f"{proc.name} did not answer at {url}:\n{proc.log()[-3000:]}")
 
 
 @contextlib.contextmanager
@@ -191,26 +206,14 @@ def run_cluster(spec: ClusterSpec) -> Iterator[Cluster]:
         for i in range(spec.replicas):
             start(f"replica-{i}", replica_command(spec, i))
         for i, url in enumerate(spec.replica_urls()):
-            _wait_healthy(url, cluster.replica(i), deadline)
-        router = start("router", router_command(spec, _free_port(spec.host)))
-        _wait_router(spec, router, deadline)
+            _wait_answering(f"{url}/health", cluster.replica(i), deadline)
+        router = start("router", router_command(spec, free_port(spec.host)))
+        _wait_answering(f"{spec.router_url}/v1/models", router, deadline)  # up once it forwards
         yield cluster
     finally:
         cluster.stop()
         for fh in logs:
             fh.close()
-
-
-def _wait_router(spec: ClusterSpec, router: Process, deadline: float) -> None:
-    """Up once the router forwards: it answers /v1/models from a healthy replica."""
-    while time.monotonic() < deadline:
-        if router.proc.poll() is not None:
-            raise RuntimeError(f"vllm-router exited with {router.proc.returncode}:\n{router.log()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{spec.router_url}/v1/models", timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise RuntimeError(f"vllm-router did not answer at {spec.router_url}:\n{router.log()[-3000:]}")
 
 
 def serve_cluster(spec: ClusterSpec) -> int:

@@ -30,29 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from chatserve.cluster import ClusterSpec, router_command, run_cluster  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def two_free_ports() -> int:
-    import socket
-
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
+from chatserve.cluster import ClusterSpec, consecutive_free_ports, free_port, router_command, run_cluster  # noqa: E402
 
 
 def start_router(spec: ClusterSpec, policy: str, workers: list[str], log: Path) -> tuple[subprocess.Popen, str]:
@@ -100,7 +78,7 @@ def main() -> int:
     args = ap.parse_args()
 
     logs = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
-    spec = ClusterSpec(replicas=2, router_port=free_port(), first_replica_port=two_free_ports(),
+    spec = ClusterSpec(replicas=2, router_port=free_port(), first_replica_port=consecutive_free_ports(2),
                        policy="sticky_least_loaded", redis_url=args.redis_url,
                        threads_per_replica=args.threads_per_replica, log_dir=logs,
                        serve_args=tuple(args.serve_args.split()) + ("--log-level", "warning"),

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import redis
 
-from chatserve.cluster import Cluster, ClusterSpec, Process, router_command, run_cluster
+from chatserve.cluster import Cluster, ClusterSpec, Process, consecutive_free_ports, router_command, run_cluster
 
 from .helpers.net import free_port, wait_until
 from .helpers.streams import stream_in_thread
@@ -54,7 +54,7 @@ def instance(resp: httpx.Response) -> str:
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
     redis.Redis.from_url(REDIS_URL).flushdb()
     spec = ClusterSpec(
-        replicas=2, router_port=free_port(), first_replica_port=_two_free_ports(), policy="sticky_least_loaded",
+        replicas=2, router_port=free_port(), first_replica_port=consecutive_free_ports(2), policy="sticky_least_loaded",
         redis_url=REDIS_URL, threads_per_replica=1, log_dir=tmp_path_factory.mktemp("cluster-logs"),
         serve_args=("--max-model-len", "2048", "--log-level", "warning", "--session-turn-lock-ttl-s", "4",
                     "--shutdown-grace-s", "2"),
@@ -62,21 +62,6 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     with run_cluster(spec) as running:
         yield running
     redis.Redis.from_url(REDIS_URL).flushdb()
-
-
-def _two_free_ports() -> int:
-    """A port p with p + 1 free too (replicas listen on consecutive ports)."""
-    import socket
-
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _turn(client: httpx.Client, sid: str, text: str, header: bool) -> httpx.Response:

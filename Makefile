@@ -47,7 +47,7 @@ lint: setup
 
 # pytest exits 5 when it collects no tests; any non-zero status fails the target.
 test: setup-redis lint
-	@rc=0; $(PYTEST) -q -m "not slow" $(PYTEST_ARGS) tests || rc=$$?; \
+	@rc=0; $(PYTEST) -q -m "not slow" --durations=25 $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- treating as failure" >&2; fi; \
 	exit $$rc
 

@@ -26,10 +26,18 @@ def first_turn_ids(input_processor: InputProcessor, system_prompt: str | None, c
 
 def next_turn_ids(tokenizer: Any, history: list[int], content: str, eos_token_ids: Collection[int]) -> list[int]:
     """history (prompt + reply of the last turn, exactly as generated) + the new user turn."""
+    return continue_history(tokenizer, history, [{"role": "user", "content": content}], eos_token_ids)
+
+
+def continue_history(tokenizer: Any, history: list[int], messages: list[dict[str, Any]], eos_token_ids: Collection[int],
+                     *, chat_template: str | None = None, **template_kwargs: Any) -> list[int]:
+    """history (exactly as generated) + `messages` (a user turn, tool results, ...) and the generation
+    prompt, rendered through `chat_template` (None: the model's) with `template_kwargs` (e.g. tools)."""
     before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
-    rendered = tokenizer.apply_chat_template(before, add_generation_prompt=False, tokenize=False)
-    extended = tokenizer.apply_chat_template(before + [{"role": "user", "content": content}],
-                                             add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(before, add_generation_prompt=False, tokenize=False,
+                                             chat_template=chat_template, **template_kwargs)
+    extended = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True, tokenize=False,
+                                             chat_template=chat_template, **template_kwargs)
     if _SENTINEL not in rendered or not extended.startswith(rendered):
         # A template that rewrites earlier turns: fall back to rendering the new turn on its own.
         close, new_turn = "", extended[extended.rfind(_SENTINEL) + len(_SENTINEL):]

@@ -1,7 +1,7 @@
 """Session turns with tools: the prompt of a turn that offers tools or hands back tool results.
 
 The session keeps its exact token history, so a turn's prompt is that history plus only the new
-part, rendered by cutting a sentinel conversation (as `session_prompts.next_turn_ids` does), here
+part, rendered by `session_prompts.continue_history` (the sentinel cut every session turn uses), here
 through the template `InputProcessor.tool_rendering` picks (the shipped xLAM template for SmolLM2),
 with the new messages being tool results (`role: "tool"`) and/or a user message. A reply that
 called tools is stored as the very tokens the model produced, `<tool_call>...</tool_call>`
@@ -15,9 +15,8 @@ from typing import Any
 
 from chatserve.engine.input_processor import InputProcessor
 from chatserve.server.protocol import SessionMessageRequest
+from chatserve.server.session_prompts import continue_history
 from chatserve.server.tool_request import ToolPlan
-
-_SENTINEL = "\x1fCHATSERVE_SENTINEL\x1f"
 
 
 def new_messages(body: SessionMessageRequest) -> list[dict[str, Any]]:
@@ -46,21 +45,6 @@ def first_tool_turn_ids(processor: InputProcessor, system_prompt: str | None, me
 def next_tool_turn_ids(processor: InputProcessor, history: list[int], messages: list[dict[str, Any]],
                        eos_token_ids: Collection[int], plan: ToolPlan | None, chat_template: str | None) -> list[int]:
     """history (exactly as generated, tool calls included) + the new messages and the generation prompt."""
-    tokenizer = processor.tokenizer
     template = processor.tool_rendering(chat_template).chat_template
     kwargs: dict[str, Any] = {"tools": plan.template_tools()} if plan is not None and plan.template_tools() else {}
-    before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
-    rendered = tokenizer.apply_chat_template(before, add_generation_prompt=False, tokenize=False, chat_template=template,
-                                             **kwargs)
-    extended = tokenizer.apply_chat_template(before + messages, add_generation_prompt=True, tokenize=False,
-                                             chat_template=template, **kwargs)
-    if _SENTINEL not in rendered or not extended.startswith(rendered):
-        close, new_turn = "", extended[extended.rfind(_SENTINEL) + len(_SENTINEL):]
-    else:
-        close = rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
-        new_turn = extended[len(rendered):]
-    if history and history[-1] in eos_token_ids:
-        eos_text = tokenizer.decode([history[-1]], skip_special_tokens=False)
-        if close.startswith(eos_text):
-            close = close[len(eos_text):]
-    return list(history) + list(tokenizer.encode(close + new_turn, add_special_tokens=False))
+    return continue_history(processor.tokenizer, history, messages, eos_token_ids, chat_template=template, **kwargs)

@@ -7,18 +7,15 @@ Two apps over fake engines stand for two replicas; their cancel buses share the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 
-from chatserve.server import ServerSettings, create_app
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.sessions import InMemorySessionStore
 
+from .helpers.asgi import app_client
 from .helpers.errors import assert_error
 from .helpers.fake_engine import FakeEngine
 from .helpers.net import free_port
@@ -35,14 +32,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@contextlib.asynccontextmanager
-async def replica(engine: FakeEngine, bus: CancelBus | None = None, sessions: Any = None,
-                  **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """One app with its lifespan running (ASGITransport alone does not run it: the bus starts there)."""
-    app = create_app(engine, sessions, ServerSettings(serve_web=False, **settings), bus)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30) as c:
-            yield c
+def replica(engine: FakeEngine, bus: CancelBus | None = None, sessions: Any = None, **settings: Any) -> Any:
+    """One replica: the app with its lifespan running (the cancel bus starts there)."""
+    return app_client(engine, sessions, bus, lifespan=True, **settings)
 
 
 async def wait_for(cond: Any, timeout: float = 20.0) -> None:

@@ -14,9 +14,7 @@ fake engine to have it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -25,6 +23,7 @@ import pytest
 from chatserve.server import ServerSettings, create_app
 from chatserve.sessions import InMemorySessionStore, SessionStoreUnavailable
 
+from .helpers.asgi import app_client
 from .helpers.errors import assert_error
 from .helpers.fake_engine import FakeEngine
 from .helpers.streams import parse_sse_lines
@@ -45,13 +44,7 @@ def engine(smollm_tokenizer) -> FakeEngine:
     return FakeEngine(smollm_tokenizer, reply=REPLY)
 
 
-@contextlib.asynccontextmanager
-async def client_for(engine: FakeEngine, sessions: Any = None, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
-    settings.setdefault("serve_web", False)
-    app = create_app(engine, sessions, ServerSettings(**settings))
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
-        yield client
+client_for = app_client
 
 
 def sse(resp: httpx.Response) -> list[tuple[str | None, str]]:

@@ -6,15 +6,9 @@ engine was handed for the same body (the FakeEngine records its requests' prompt
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
-
-import httpx
 import pytest
 
-from chatserve.server import ServerSettings, create_app
-
+from .helpers.asgi import app_client
 from .helpers.errors import assert_error
 from .helpers.fake_engine import FakeEngine
 
@@ -28,11 +22,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@contextlib.asynccontextmanager
-async def client_for(engine: FakeEngine, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(engine, None, ServerSettings(serve_web=False, **settings))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30) as client:
-        yield client
+client_for = app_client
 
 
 async def test_render_gives_the_ids_the_chat_route_runs(smollm_tokenizer):

@@ -7,10 +7,8 @@ tests/test_client_compat_tools.py; the grammar engine itself in tests/test_struc
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -22,6 +20,7 @@ from chatserve.server import ServerSettings, create_app
 from chatserve.tools import HERMES, XLAM, FunctionTool, ToolCallStreamParser, ToolChoice, parse_tool_calls, tool_grammar
 from chatserve.tools.parser import CallEvent, TextEvent
 
+from .helpers.asgi import app_client
 from .helpers.errors import assert_error
 from .helpers.fake_engine import FakeEngine
 from .helpers.streams import parse_sse_lines
@@ -167,11 +166,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@contextlib.asynccontextmanager
-async def client_for(engine: FakeEngine, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(engine, None, ServerSettings(serve_web=False, **settings))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30) as client:
-        yield client
+client_for = app_client
 
 
 def stream_chunks(resp: httpx.Response) -> list[dict[str, Any]]:

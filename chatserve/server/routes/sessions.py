@@ -258,17 +258,23 @@ async def _run_turn(request: Request, body: SessionMessageRequest | SessionRegen
     return JSONResponse(obj, headers=headers)
 
 
+def _title_and_metadata(body: UpdateSessionRequest | ForkSessionRequest) -> dict[str, Any]:
+    """The store arguments for the fields sent: a title ("" clears it) and metadata (replaced whole)."""
+    fields: dict[str, Any] = {}
+    if body.title is not None:
+        fields["title"] = body.title or None
+    if body.metadata is not None:
+        fields["metadata"] = body.metadata
+    return fields
+
+
 async def update_session(request: Request) -> JSONResponse:
     """PATCH: rename (`title`, "" clears it), replace `metadata` or the sampling `defaults`."""
     ctx = get_context(request)
     store = _store(ctx)
     sid = request.path_params["session_id"]
     body = await read_model(request, UpdateSessionRequest, ctx.settings)
-    changes: dict[str, Any] = {}
-    if body.title is not None:
-        changes["title"] = body.title or None
-    if body.metadata is not None:
-        changes["metadata"] = body.metadata
+    changes = _title_and_metadata(body)
     if body.defaults is not None:
         defaults = body.defaults.model_dump(exclude_none=True)
         stop = defaults.get("stop", [])
@@ -289,11 +295,7 @@ async def fork_session(request: Request) -> JSONResponse:
     store = _store(ctx)
     sid = request.path_params["session_id"]
     body = await read_model(request, ForkSessionRequest, ctx.settings)
-    options: dict[str, Any] = {}
-    if body.title is not None:
-        options["title"] = body.title or None
-    if body.metadata is not None:
-        options["metadata"] = body.metadata
+    options = _title_and_metadata(body)
     try:
         with store_errors():
             fork = await store.fork(sid, body.keep_turns, **options)

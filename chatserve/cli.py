@@ -284,7 +284,11 @@ def _add_cluster_args(sub: Any) -> None:
                          help=f"port of replica 0; replica i listens on this + i [default: {d.first_replica_port}]")
     cluster.add_argument("--policy", choices=get_args(RouterPolicy), default=d.policy,
                          help="vllm-router's policy: cache_aware needs nothing more; sticky_least_loaded keys on "
-                              f"the X-Session-Id header [default: {d.policy}]")
+                              "the X-Session-Id header; kv_aware follows each replica's KV cache events (two ZMQ "
+                              f"ports per replica from --kv-events-first-port) [default: {d.policy}]")
+    cluster.add_argument("--kv-events-first-port", type=int, default=d.kv_events_first_port,
+                         help="kv_aware: replica i publishes KV events on this + 2i and answers replays on this + "
+                              f"2i + 1 [default: {d.kv_events_first_port}]")
     cluster.add_argument("--redis-url", default=d.redis_url, help=f"shared Redis [default: {d.redis_url}]")
     cluster.add_argument("--threads-per-replica", type=int, default=None,
                          help="torch threads per replica [default: cores / replicas]")
@@ -362,7 +366,8 @@ def cluster(args: argparse.Namespace) -> int:
     serve_args = tuple(a for i, a in enumerate(args.serve_args) if not (i == 0 and a == "--"))
     spec = ClusterSpec(replicas=args.replicas, host=args.host, router_port=args.port,
                        first_replica_port=args.first_replica_port, policy=args.policy, redis_url=args.redis_url,
-                       threads_per_replica=args.threads_per_replica, serve_args=serve_args, log_dir=args.log_dir)
+                       threads_per_replica=args.threads_per_replica, serve_args=serve_args, log_dir=args.log_dir,
+                       kv_events_first_port=args.kv_events_first_port)
     try:
         return serve_cluster(spec)
     except RuntimeError as exc:

@@ -3,8 +3,10 @@
 We do not write a router. vLLM's Rust router already fronts chatserve unchanged: its
 `sticky_least_loaded` policy keeps a session on its replica by the `X-Session-Id` header, and
 its default `cache_aware` policy places requests by the token ids our `/v1/chat/completions/render`
-returns (routes/tokens.py). What this module adds is the launch: Redis if none answers, the
-replicas on consecutive ports (each a `chatserve serve` process), the router in front with
+returns (routes/tokens.py), and its `kv_aware` policy by the KV blocks each replica reports
+holding (KV cache events over ZMQ, engine/kv_event_publisher.py). What this module adds is the
+launch: Redis if none answers, the replicas on consecutive ports (each a `chatserve serve`
+process, with its KV event sockets under kv_aware), the router in front with
 health checks tight enough that a dead replica leaves rotation within a few seconds, and a stop
 that reaches every process it started, by PID, whatever way the launcher exits.
 
@@ -52,9 +54,20 @@ class ClusterSpec:
     log_dir: Path | None = None  # one log file per process; None: inherit the launcher's output
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
+    kv_events: bool | None = None  # replicas publish KV events; None: only under the kv_aware policy
+    kv_events_first_port: int = 5557  # replica i publishes on this + 2i and serves replays on this + 2i + 1
 
     def replica_urls(self) -> list[str]:
         return [f"http://{self.host}:{self.first_replica_port + i}" for i in range(self.replicas)]
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.policy == "kv_aware" if self.kv_events is None else self.kv_events
+
+    def kv_event_endpoints(self, i: int) -> tuple[str, str]:
+        """Replica i's KV event PUB address and its replay address (what it binds, what the router connects to)."""
+        port = self.kv_events_first_port + 2 * i
+        return f"tcp://{self.host}:{port}", f"tcp://{self.host}:{port + 1}"
 
     @property
     def router_url(self) -> str:
@@ -114,7 +127,24 @@ def router_command(spec: ClusterSpec, prometheus_port: int) -> list[str]:
             "--worker-startup-timeout-secs", str(int(spec.startup_timeout_s)),
             "--prometheus-host", spec.host, "--prometheus-port", str(prometheus_port),
             "--request-id-headers", "x-request-id",
+            *(kv_event_router_args(spec) if spec.policy == "kv_aware" else ()),
             *spec.router_args]
+
+
+def kv_event_router_args(spec: ClusterSpec) -> list[str]:
+    """kv_aware's static event sources: each replica's PUB and replay addresses, with the block size
+    and model the replicas report (`GET /get_server_info`; the replicas must be up).
+
+    Static, because vllm-router 0.1.17 discovers sources by itself only from vLLM's own
+    `vllm_config` in /get_server_info, which chatserve does not imitate."""
+    if not spec.publishes_kv_events:
+        raise RuntimeError("the kv_aware policy needs replicas that publish KV events (kv_events=False)")
+    info = httpx.get(f"{spec.replica_urls()[0]}/get_server_info", timeout=10).json()
+    args = ["--kv-event-block-size", str(info["kv_block_size"]), "--kv-event-model", str(info["model_id"])]
+    for i, url in enumerate(spec.replica_urls()):
+        pub, replay = spec.kv_event_endpoints(i)
+        args += ["--kv-event-source", f"{url}={pub}", "--kv-event-replay-source", f"{url}={replay}"]
+    return args
 
 
 def replica_command(spec: ClusterSpec, i: int) -> list[str]:
@@ -122,9 +152,13 @@ def replica_command(spec: ClusterSpec, i: int) -> list[str]:
     # Draining, a replica keeps answering /health with 503 for as long as the router needs to see it
     # (its interval x failure threshold, plus one), so new requests move away before the socket closes.
     notice_s = spec.health_check_interval_s * spec.health_failure_threshold + 1
+    kv_events: list[str] = []
+    if spec.publishes_kv_events:
+        pub, replay = spec.kv_event_endpoints(i)
+        kv_events = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
     return [sys.executable, "-m", "chatserve", "serve", "--host", spec.host,
             "--port", str(spec.first_replica_port + i), "--redis-url", spec.redis_url,
-            "--num-threads", str(threads), "--drain-notice-s", str(notice_s), *spec.serve_args]
+            "--num-threads", str(threads), "--drain-notice-s", str(notice_s), *kv_events, *spec.serve_args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

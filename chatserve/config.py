@@ -130,6 +130,15 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int = 96
 
 
+def _check_zmq_tcp_endpoint(name: str, value: str | None) -> None:
+    """``tcp://HOST:PORT`` with a port in 1..65535 (what vLLM's router connects to), or None."""
+    if value is None:
+        return
+    host, sep, port = value.removeprefix("tcp://").rpartition(":")
+    if not value.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} must be tcp://HOST:PORT (HOST may be * for every interface); got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Every option of `LLM` and the server's engine, in one place.
@@ -169,6 +178,13 @@ class EngineArgs:
         "help": "within the CPU kernels, Intel AMX tiles where the CPU has them (off: the AVX512-BF16 path)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model name clients send and see (default: from the model)"})
+    kv_events_endpoint: str | None = field(default=None, metadata={
+        "help": "publish KV cache events (blocks stored/removed, vLLM's format) on a ZMQ PUB socket bound here, "
+                "e.g. tcp://*:5557, for vllm-router's kv_aware policy (default: off; needs pyzmq and msgpack)"})
+    kv_events_replay_endpoint: str | None = field(default=None, metadata={
+        "help": "ZMQ ROUTER address where a subscriber asks for missed KV event batches, e.g. tcp://*:5558 "
+                "(default: no replay)"})
+    kv_events_topic: str = field(default="", metadata={"help": "ZMQ topic of the KV event messages"})
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -183,6 +199,10 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            _check_zmq_tcp_endpoint(name, getattr(self, name))
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -8,6 +8,7 @@ TTFT p50/p90 per configuration, in one run, so the ratios are comparable:
 
 - 1 replica alone (the baseline: everything hits, but one replica does all the work);
 - 2 replicas, `cache_aware` (stateless; the router places by our /v1/chat/completions/render ids);
+- 2 replicas, `kv_aware` (stateless; the router places by the replicas' KV cache events);
 - 2 replicas, `sticky_least_loaded` (session API; affinity by X-Session-Id);
 - 2 replicas, `round_robin` (stateless and sessions: what affinity buys).
 
@@ -75,12 +76,18 @@ def main() -> int:
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--serve-args", default="--max-model-len 4096", help="flags for every replica")
+    ap.add_argument("--router-args", default="", help="extra flags for every router, e.g. '--log-level debug'")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated: run only the configurations whose label contains one of these")
     args = ap.parse_args()
 
     logs = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
-    spec = ClusterSpec(replicas=2, router_port=free_port(), first_replica_port=consecutive_free_ports(2),
+    ports = consecutive_free_ports(6)  # one pick: replicas on the first 2, their KV event sockets on the next 4
+    spec = ClusterSpec(replicas=2, router_port=free_port(), first_replica_port=ports,
                        policy="sticky_least_loaded", redis_url=args.redis_url,
                        threads_per_replica=args.threads_per_replica, log_dir=logs,
+                       kv_events=True, kv_events_first_port=ports + 2,  # for kv_aware
+                       router_args=tuple(args.router_args.split()),
                        serve_args=tuple(args.serve_args.split()) + ("--log-level", "warning"),
                        env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     rows = []
@@ -93,8 +100,11 @@ def main() -> int:
             ("2 replicas, sticky_least_loaded, sessions", "sticky_least_loaded", urls, True),
             ("2 replicas, round_robin, stateless", "round_robin", urls, False),
             ("2 replicas, round_robin, sessions", "round_robin", urls, True),
+            ("2 replicas, kv_aware, stateless", "kv_aware", urls, False),  # last: the earlier seeds stay
         ]
         for n, (label, policy, workers, sessions) in enumerate(configs):
+            if args.only and not any(part in label for part in args.only.split(",")):
+                continue
             proc, url = start_router(spec, policy, workers, logs / f"router-{n}.log")
             try:
                 result = run_bench(url, label, sessions, args, seed=1000 + n, out=logs / f"bench-{n}.json")

@@ -2,7 +2,8 @@
 
 What scale-out must keep: a session's later turns land where its KV blocks are (under
 `sticky_least_loaded` keyed on X-Session-Id, and under the default `cache_aware` with no header
-at all, which places requests by the token ids our /v1/chat/completions/render returns), a
+at all, which places requests by the token ids our /v1/chat/completions/render returns, and under
+`kv_aware`, which places them by the KV blocks each replica's event stream says it holds), a
 cancel sent through the router stops the right request whichever replica it reaches, and a
 replica killed mid-run loses no finished turn while every session continues on the other one.
 
@@ -13,6 +14,7 @@ under test, not speed (scripts/bench_serving.py measures that).
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import time
@@ -53,9 +55,11 @@ def instance(resp: httpx.Response) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[Cluster]:
     redis.Redis.from_url(REDIS_URL).flushdb()
+    ports = consecutive_free_ports(6)  # one pick: replicas on the first 2, their KV event sockets on the next 4
     spec = ClusterSpec(
-        replicas=2, router_port=free_port(), first_replica_port=consecutive_free_ports(2), policy="sticky_least_loaded",
+        replicas=2, router_port=free_port(), first_replica_port=ports, policy="sticky_least_loaded",
         redis_url=REDIS_URL, threads_per_replica=1, log_dir=tmp_path_factory.mktemp("cluster-logs"),
+        kv_events=True, kv_events_first_port=ports + 2,  # for the kv_aware router
         serve_args=("--max-model-len", "2048", "--log-level", "warning", "--session-turn-lock-ttl-s", "4",
                     "--shutdown-grace-s", "2"),
         env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -119,6 +123,45 @@ def test_cache_aware_places_stateless_chats_by_their_tokens_without_any_header(c
                     messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
         for i, where in enumerate(served):
             assert len(set(where)) == 1, f"conversation {i} moved between replicas: {where}"
+    finally:
+        router.stop()
+
+
+def test_kv_aware_follows_the_replicas_kv_events_to_history_it_never_routed(cluster: Cluster) -> None:
+    """kv_aware scores each replica by the blocks its KV event stream (BlockStored / BlockRemoved
+    over ZMQ) says it holds, matched against the prompt's tokens. Each conversation's first turn
+    goes straight to a replica, past the router (conversation i to replica i % 2), so only the
+    events can tell the router where its history is; later turns, with no header, must go there."""
+    router = _start_router(cluster, "kv_aware", "--log-level", "debug")  # debug: its routing decisions
+    urls = cluster.spec.replica_urls()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{router.port}", timeout=120) as client:
+            convs = [[{"role": "system", "content": system_prompt(30 + i)}] for i in range(4)]
+            served: list[list[str]] = [[] for _ in convs]
+            prev_prompt = [0] * len(convs)
+            for turn in range(3):
+                for i, messages in enumerate(convs):
+                    messages.append({"role": "user", "content": f"Turn {turn}: which word came last?"})
+                    body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+                    if turn == 0:
+                        resp = httpx.post(f"{urls[i % 2]}/v1/chat/completions", json=body, timeout=120)
+                    else:
+                        resp = client.post("/v1/chat/completions", json=body)
+                    assert resp.status_code == 200, resp.text
+                    usage = resp.json()["usage"]
+                    served[i].append(instance(resp))
+                    if turn > 0:
+                        cached = usage["prompt_tokens_details"]["cached_tokens"]
+                        assert cached >= prev_prompt[i] - BLOCK, (i, turn, cached, prev_prompt[i])
+                    prev_prompt[i] = usage["prompt_tokens"]
+                    messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+        for i, where in enumerate(served):
+            assert where == [urls[i % 2].removeprefix("http://")] * 3, f"conversation {i}: {where}"
+        # The router's own account: each routed turn was placed on credit for the prefix the events
+        # say is cached there (its debug log; colour codes stripped).
+        log = re.sub(r"\x1b\[[0-9;]*m", "", router.process.log())
+        credited = [int(n) for n in re.findall(r"KV prefix decision .*?credited_prefix_tokens=(\d+)", log)]
+        assert len(credited) == 8 and min(credited) >= 400, (credited, log[-3000:])
     finally:
         router.stop()
 
@@ -200,12 +243,13 @@ class _Router:
                 self.process.proc.kill()
 
 
-def _start_router(cluster: Cluster, policy: str) -> _Router:
+def _start_router(cluster: Cluster, policy: str, *router_args: str) -> _Router:
     """A second router over the same replicas, with another policy (the replicas keep their caches)."""
     import subprocess
 
     port = free_port()
-    spec = ClusterSpec(**{**cluster.spec.__dict__, "router_port": port, "policy": policy})
+    spec = ClusterSpec(**{**cluster.spec.__dict__, "router_port": port, "policy": policy,
+                          "router_args": (*cluster.spec.router_args, *router_args)})
     log = (cluster.spec.log_dir or Path("/tmp")) / f"router-{policy}-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(router_command(spec, free_port()), stdout=out, stderr=subprocess.STDOUT)

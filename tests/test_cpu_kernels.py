@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (bf16 matmuls, AMX tile matmul, RMSNorm, paged decode attention) against
+"""The C++ CPU kernels (bf16 matmuls, AMX tile matmul, RMSNorm; attention: test_cpu_attention.py) against
 torch, the bounded matmul shapes, and the KV pool's zero-on-first-use."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from chatserve import LLM, SamplingParams
 from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, load_cpu_kernels
-from chatserve.kernels.reference import paged_decode_attention
 from chatserve.layers.linear import kernel_linear, onednn_linear, onednn_pack, packed_linear_available, power_of_two_pieces
 
 
@@ -156,35 +155,6 @@ def test_packed_linear_in_pieces_matches_float_matmul():
         torch.testing.assert_close(onednn_linear(x, packed, b).float(), ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (16, 1, 64)])
-def test_paged_decode_kernel_matches_reference(kernels, heads, kv_heads, head_dim):
-    """Ragged lengths (1 token up to several blocks, block edges included), shuffled block tables,
-    GQA of 1-16 query heads per KV head: the same as the torch reference in fp32."""
-    gen = torch.Generator().manual_seed(heads * 1000 + head_dim)
-    num_blocks, block_size = 40, 16
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    lens = torch.tensor([1, 15, 16, 17, 33, 64, 100, 7])
-    max_blocks = 7
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.stack([perm[(i * 5) % 33 : (i * 5) % 33 + max_blocks] for i in range(len(lens))])
-    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 2).to(torch.bfloat16)
-    scale = head_dim**-0.5
-    ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
-    out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, scale)
-    assert out.shape == q.shape and out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
-
-
-def test_paged_decode_kernel_refuses_bad_tables(kernels):
-    k_cache = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
-    q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="outside the KV pool"):
-        kernels.paged_decode(q, k_cache, k_cache, torch.tensor([[7]]), torch.tensor([5]), 0.125)
-    with pytest.raises(RuntimeError, match="context length"):
-        kernels.paged_decode(q, k_cache, k_cache, torch.tensor([[1]]), torch.tensor([17]), 0.125)
-
-
 def test_silu_mul_matches_torch(kernels):
     torch.manual_seed(5)
     for m in (1, 7, 100):
@@ -226,7 +196,7 @@ def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
 @pytest.mark.parametrize("matmul", ["amx", "avx512"])
 def test_default_model_kernel_path_agrees_with_torch_path(kernels, matmul):
     """The bf16 model with every C++ kernel (matmul at all batch sizes, on AMX tiles and on the
-    AVX512-BF16 kernel, paged decode attention, rotary, silu*up, residual add + RMSNorm) against
+    AVX512-BF16 kernel, paged attention, rotary, silu*up, residual add + RMSNorm) against
     the same model on torch/oneDNN ops: while the
     two greedy continuations agree, each step's chosen token is in the other path's top 5, and the
     log-probabilities differ by bf16 noise only. A ragged batch, one prompt over 128 tokens (oneDNN
@@ -238,7 +208,7 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, matmul):
     if matmul == "amx" and kernels.amx is None:
         pytest.skip("no AMX tiles here")
     fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False, amx=matmul == "amx")
-    assert fast.engine.attention_backend == "cpu" and "paged decode" in fast.engine.runner.ops.describe()
+    assert fast.engine.attention_backend == "cpu" and "paged attention" in fast.engine.runner.ops.describe()
     assert ("AMX" in fast.engine.runner.linear_impl) == (matmul == "amx")
     fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
     del fast

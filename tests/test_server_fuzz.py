@@ -39,6 +39,7 @@ from chatserve.server.protocol import (
     CreateSessionRequest,
     SessionMessageRequest,
 )
+from chatserve.server.responses_protocol import ResponsesRequest
 from chatserve.worker.sampler import Sampler, make_generator
 
 from .helpers.errors import assert_error as assert_openai_error
@@ -121,7 +122,11 @@ SAMPLING_FIELDS = {
     "top_p": field(st.floats(0.0, 1.0, exclude_min=True), num(-0.1, 1.1)),
     "n": field(st.integers(1, MAX_N), st.integers(-1, MAX_N + 2)),
     "stream": field(st.booleans()),
-    "stream_options": field(st.none(), st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
+    "stream_options": field(st.none(), st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                                          "resumable": mostly(st.booleans())})),
+    "disconnect_policy": field(st.sampled_from([None, "abort", {"mode": "detach", "lease_seconds": 5}]), st.one_of(
+        texts, st.sampled_from(["detach", "abort"]), st.fixed_dictionaries({}, optional={
+            "mode": mostly(st.sampled_from(["abort", "detach"])), "lease_seconds": mostly(num(-1, 5000))}))),
     "stop": field(valid_stop, st.one_of(texts, st.lists(texts, max_size=MAX_STOPS + 2))),
     "max_tokens": field(st.integers(1, CHEAP_TOKENS), st.one_of(st.none(), st.integers(-1, 6))),
     "presence_penalty": field(num(-2.0, 2.0), num(-2.5, 2.5)),
@@ -199,6 +204,42 @@ CREATE_SESSION_BODIES = body_of({}, {
 })
 SESSION_MESSAGE_BODIES = body_of({"content": field(some_text, texts)},
                                  {**SAMPLING_FIELDS, "logprobs": field(st.booleans())})
+# POST /v1/responses: input items of every kind (and kinds we refuse), the Responses fields
+text_or_parts = st.one_of(some_text, st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text"]), "text": texts}), min_size=1, max_size=2))
+valid_item = st.one_of(
+    st.fixed_dictionaries({"role": roles, "content": text_or_parts}, optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": some_text, "name": some_text,
+                           "arguments": texts}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": some_text, "output": texts}),
+)
+wild_item = st.fixed_dictionaries({}, optional={
+    "type": mostly(st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference"])),
+    "role": mostly(roles), "content": mostly(st.one_of(texts, st.lists(json_values, max_size=2))),
+    "call_id": mostly(texts), "output": mostly(texts), "name": mostly(texts), "arguments": mostly(texts)})
+RESPONSES_FIELDS = {
+    **{k: SAMPLING_FIELDS[k] for k in ("model", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
+                                       "presence_penalty", "frequency_penalty", "ignore_eos", "user")},
+    "instructions": field(st.one_of(st.none(), texts)),
+    "max_output_tokens": field(st.integers(1, CHEAP_TOKENS), st.one_of(st.none(), st.integers(-1, 6))),
+    "stream": field(st.booleans()),
+    "store": field(st.booleans()),
+    "background": field(st.just(False), st.booleans()),
+    "previous_response_id": field(st.none(), st.one_of(texts, st.just("resp_" + "0" * 32))),
+    "tools": field(st.one_of(st.none(), st.just([])), st.lists(json_values, max_size=2)),
+    "tool_choice": field(st.sampled_from([None, "none", "auto"]), st.one_of(st.just("required"), json_values)),
+    "parallel_tool_calls": field(st.booleans()),
+    "text": field(st.sampled_from([None, {"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+                  st.sampled_from([{"format": {"type": "json_schema"}}, {}, {"format": {"type": "xml"}},
+                                   {"verbosity": "high"}])),
+    "metadata": field(st.one_of(st.none(), st.dictionaries(some_text, texts, max_size=3)),
+                      st.dictionaries(texts, json_values, max_size=20)),
+    "truncation": field(st.sampled_from([None, "disabled"]), st.just("auto")),
+    "include": field(st.one_of(st.none(), st.just([])), st.lists(texts, max_size=2)),
+    "reasoning": field(st.none(), json_values),
+}
+RESPONSES_BODIES = body_of({"input": field(st.one_of(some_text, st.lists(valid_item, min_size=1, max_size=3)),
+                                           st.one_of(texts, st.lists(wild_item, max_size=3)))}, RESPONSES_FIELDS)
 
 # How the JSON text becomes bytes: UTF-8 two times in three, otherwise broken on the way.
 ENCODINGS = ["utf-8"] * 14 + ["truncate", "bad-byte", "overlong", "surrogate-bytes", "utf-16", "bom", "latin-1"]
@@ -238,7 +279,8 @@ def cheapen(body: Any) -> Any:
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for key in ("max_tokens", "max_completion_tokens"):
+    keys = ("max_output_tokens",) if "input" in body else ("max_tokens", "max_completion_tokens")
+    for key in keys:
         value = body.get(key)
         too_many = isinstance(value, int) and not isinstance(value, bool) and value > CHEAP_TOKENS
         if value is None or too_many or (isinstance(value, Raw) and value.strip() in ("null", "")):
@@ -252,6 +294,7 @@ MODELS = {
     "completions": (CompletionRequest, COMPLETION_BODIES),
     "create_session": (CreateSessionRequest, CREATE_SESSION_BODIES),
     "session_message": (SessionMessageRequest, SESSION_MESSAGE_BODIES),
+    "responses": (ResponsesRequest, RESPONSES_BODIES),
 }
 _SAMPLER = Sampler()
 _LOGITS = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)) * 5
@@ -279,6 +322,9 @@ def check_sampling_path(parsed: Any) -> None:
         max_tokens, logprobs = parsed.max_tokens, parsed.logprobs
     elif isinstance(parsed, SessionMessageRequest):
         max_tokens, logprobs = parsed.max_tokens, (0 if parsed.logprobs else None)
+    elif isinstance(parsed, ResponsesRequest):
+        max_tokens, logprobs = parsed.max_output_tokens, None
+        parsed = parsed.sampling_fields()  # what the route builds its SamplingParams from
     else:
         return
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -421,6 +467,73 @@ def test_fuzzed_session_bodies_get_2xx_or_openai_4xx(server, http):
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
 
 
+def assert_response_ok_or_openai_error(resp: httpx.Response) -> None:
+    """/v1/responses: a response object, a typed event stream that ends in a final event, or a clean 4xx."""
+    STATUSES[resp.status_code] += 1
+    if resp.status_code >= 300:
+        assert_openai_error(resp)
+        return
+    if resp.headers["content-type"].startswith("text/event-stream"):
+        events = [json.loads(line[5:]) for line in resp.text.splitlines() if line.startswith("data:")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), resp.text[-500:]
+        assert events[0]["type"] == "response.created", events[0]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed"), events[-1]
+        if events[-1]["type"] == "response.failed":
+            assert events[-1]["response"]["error"]["message"].startswith("generation failed:"), events[-1]
+    else:
+        body = resp.json()
+        assert body["object"] == "response", body
+        if body["status"] == "failed":
+            # The engine ended the request with finish_reason "error" (e.g. a grammar that rejected the
+            # sampled token; chat answers those with a 500 generation_error): the response says so.
+            assert body["error"]["message"].startswith("generation failed:"), body
+            STATUSES["failed"] += 1
+        else:
+            assert body["status"] in ("completed", "incomplete", "queued"), body
+        if body["status"] != "queued":
+            assert body["usage"]["output_tokens"] <= CHEAP_TOKENS
+
+
+def test_fuzzed_responses_bodies_get_2xx_or_openai_4xx(server, http):
+    @settings(FUZZ, max_examples=40)
+    @given(encoded(RESPONSES_BODIES, cheap=True))
+    def check(case):
+        _, data = case
+        resp = post_raw(http, "/v1/responses", data)
+        assert_response_ok_or_openai_error(resp)
+        if resp.status_code == 200 and resp.headers["content-type"].startswith("application/json"):
+            rid = resp.json()["id"]
+            for r in (http.get(f"/v1/responses/{rid}"), http.get(f"/v1/responses/{rid}/input_items"),
+                      http.post(f"/v1/responses/{rid}/cancel")):
+                assert r.status_code == 200 or assert_openai_error(r, 404), r.text  # 404: store false
+            assert http.delete(f"/v1/responses/{rid}").status_code in (200, 404)
+
+    check()
+
+
+def test_fuzzed_response_ids_and_query_params(server, http):
+    rid = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 1}).json()["id"]
+
+    @settings(FUZZ, max_examples=15)
+    @given(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=300), texts, texts)
+    def check(some_id, a, b):
+        quoted = "/v1/responses/" + urllib.parse.quote(some_id, safe="").replace(".", "%2E")
+        for resp in (http.get(quoted), http.delete(quoted), http.post(quoted + "/cancel"),
+                     http.get(quoted + "/input_items"), http.get(quoted, params={"stream": "true"})):
+            assert resp.status_code in (404, 405), resp.text
+            assert_openai_error(resp)
+        for params in ({"limit": a[:20]}, {"order": a, "after": b}, {"before": a}, {"include": a}):
+            assert_ok_or_openai_error(http.get(f"/v1/responses/{rid}/input_items", params=params))
+        for params in ({"stream": a[:10]}, {"stream": "true", "starting_after": a[:20]}, {"starting_after": b}):
+            resp = http.get(f"/v1/responses/{rid}", params=params)
+            assert resp.status_code in (200, 400), resp.text
+            if resp.status_code == 400:
+                assert_openai_error(resp)
+
+    check()
+    assert http.delete(f"/v1/responses/{rid}").status_code == 200
+
+
 def test_fuzzed_session_ids_and_query_params(server, http):
     @settings(FUZZ, max_examples=15)
     @given(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=300), texts)
@@ -459,7 +572,8 @@ def with_field(base: dict, key: str, raw: str) -> bytes:
     b"", b"   ", b"null", b"1e400", b"NaN", b'"x"', b"[]", b"{}",
 ])
 def test_malformed_bodies_are_clean_4xx(server, http, data):
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/sessions/sess_missing/messages"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/sessions/sess_missing/messages",
+                 "/v1/responses"):
         resp = post_raw(http, path, data)
         if path == "/v1/sessions" and data == b"{}":
             assert resp.status_code == 201
@@ -500,7 +614,8 @@ def test_huge_and_non_finite_numbers(server, http, raw):
 
 def test_body_over_the_limit_with_and_without_content_length(server, http):
     big = json.dumps({"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}).encode()
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/sessions/sess_x/messages"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/sessions/sess_x/messages",
+                 "/v1/responses"):
         err = assert_openai_error(post_raw(http, path, big), 413)
         assert err["code"] == "body_too_large" and str(MAX_BODY) in err["message"]
 
@@ -611,6 +726,39 @@ def test_limits_are_enforced(server, http):
     assert assert_openai_error(chat(top_k=2**63), 400)["param"] == "top_k"
     assert chat(top_k=2**31 - 1).status_code == 200
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_fuzzed_resume_ids_and_cursors(server, http):
+    """The resume routes: hostile ids are 404s, hostile cursors (header or query) 400s, valid ones streams."""
+    path = "/v1/chat/completions/chatcmpl-fuzz-resume/stream"
+    started = http.post("/v1/chat/completions", json={**CHAT_OK, "stream": True, "stream_options": {"resumable": True}},
+                        headers={"X-Request-Id": "fuzz-resume"})
+    assert started.status_code == 200 and started.text.rstrip().endswith("[DONE]")
+    printable = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30)
+
+    def stream_or_4xx(resp: httpx.Response) -> None:
+        STATUSES[resp.status_code] += 1
+        if resp.status_code == 200:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            assert "error" not in resp.text
+        else:
+            assert resp.status_code in (400, 404), resp.text
+            assert_openai_error(resp)
+
+    @settings(FUZZ, max_examples=25)
+    @given(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=300), st.one_of(
+        printable, st.integers(-3, 12).map(str), st.sampled_from(BIG_INTS).map(str)), st.one_of(texts, printable))
+    def check(run_id, header, query):
+        for base in ("/v1/chat/completions/", "/v1/completions/"):
+            resp = http.get(base + urllib.parse.quote(run_id, safe="").replace(".", "%2E") + "/stream",
+                            headers={"Last-Event-ID": header})
+            assert resp.status_code in (400, 404), resp.text
+            assert_openai_error(resp)
+        stream_or_4xx(http.get(path, headers={"Last-Event-ID": header}))
+        stream_or_4xx(http.get(path, params={"starting_after": query}))
+        stream_or_4xx(http.get(path, params={"starting_after": query}, headers={"Last-Event-ID": header}))
+
+    check()
 
 
 def test_server_is_healthy_after_all_of_it(server, http):

@@ -177,7 +177,7 @@ def test_sse_framing_ids_and_done(server):
         assert resp.headers["x-request-id"] == "framing-1"
         events = sse_events(resp)
     assert events[-1][1] == "[DONE]"
-    assert [int(i) for i, _ in events] == list(range(1, len(events) + 1))
+    assert [int(i) for i, _ in events] == list(range(len(events)))
     chunks = [json.loads(d) for _, d in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-framing-1" for c in chunks)
     assert "usage" not in chunks[0]  # only present when include_usage asks for it

@@ -54,8 +54,8 @@ def sse(resp: httpx.Response) -> list[tuple[str | None, str]]:
 
 
 def chunks(events: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
-    """The JSON chunks of a stream that ended with [DONE], after checking ids count 1, 2, 3, ..."""
-    assert [eid for eid, _ in events] == [str(i) for i in range(1, len(events) + 1)], events
+    """The JSON chunks of a stream that ended with [DONE], after checking ids count 0, 1, 2, ... (sequence numbers)"""
+    assert [eid for eid, _ in events] == [str(i) for i in range(len(events))], events
     assert events[-1][1] == "[DONE]", events[-1]
     return [json.loads(data) for _, data in events[:-1]]
 
@@ -417,7 +417,7 @@ async def test_turn_that_cannot_be_stored_ends_the_stream_with_an_error_event(en
         streamed = await client.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi"})
         plain = await client.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi", "stream": False})
     events = sse(streamed)
-    assert [eid for eid, _ in events] == [str(i) for i in range(1, len(events) + 1)]
+    assert [eid for eid, _ in events] == [str(i) for i in range(len(events))]
     assert "[DONE]" not in [data for _, data in events]
     assert json.loads(events[-1][1])["error"]["code"] == "session_store_unavailable"
     assert_error(plain, 503, code="session_store_unavailable")  # the lock was released: not 409
@@ -616,5 +616,5 @@ async def test_keepalives_between_events_do_not_become_events_for_the_sdk(smollm
     for ev in events[:-1]:
         json.loads(ev.data)  # what the SDK does with every event: an empty one was the bug
     assert len(events) == len([line for line in lines if line.startswith("data:")])
-    # Resumable streams: every event still carries its id, numbered 1, 2, 3, ...
-    assert [ev.id for ev in events] == [str(i) for i in range(1, len(events) + 1)]
+    # Every event carries its id, its sequence number 0, 1, 2, ... (as a resumable stream's log numbers them)
+    assert [ev.id for ev in events] == [str(i) for i in range(len(events))]

@@ -1,7 +1,9 @@
 """Attention backends over the paged KV cache, behind one interface (`base.AttentionBackend`).
 
 - ``torch``: the pure-torch reference ops, with cascade attention for shared cached prefixes;
-- ``cpu``: the same, with the compiled C++ K/V store and paged decode (AVX512-BF16 CPUs);
+- ``cpu``: the compiled C++ paged attention for prefill, extend and decode, one reduction order
+  per query row whatever the batch (AVX512-BF16 CPUs; the torch reference with the C++ K/V store
+  for head sizes it does not take);
 - ``triton``: the Triton paged kernels (CUDA; on the CPU only interpreted, for tests).
 
 `select_attention_backend` is the one place that chooses, once per engine, from `EngineArgs`.
@@ -15,7 +17,7 @@ import logging
 import torch
 
 from chatserve.attention.base import AttentionBackend, BatchLayout
-from chatserve.attention.cpu_backend import CpuKernelAttentionBackend, decode_kernel_fits
+from chatserve.attention.cpu_backend import CpuKernelAttentionBackend, CpuPagedAttentionBackend, paged_kernel_fits
 from chatserve.attention.torch_backend import TorchAttentionBackend
 from chatserve.kernels.cpu_gemv import CpuKernels
 
@@ -41,7 +43,9 @@ def select_attention_backend(
 
         return TritonAttentionBackend(device)
     if kernels is not None:
-        return CpuKernelAttentionBackend(kernels, paged_decode=decode_kernel_fits(head_dim, num_heads, num_kv_heads))
+        if paged_kernel_fits(head_dim):
+            return CpuPagedAttentionBackend(kernels)
+        return CpuKernelAttentionBackend(kernels)
     return TorchAttentionBackend()
 
 

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from .allocator import BlockAllocator, OutOfBlocksError, RefCountError
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventLog
 from .leases import LeaseInfo
 from .prefix_cache import (
     CacheStats,
@@ -33,15 +34,26 @@ __all__ = [
     "MissExplanation",
     "MissReason",
     "LeaseInfo",
+    "KVEventLog",
+    "KVCacheEvent",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
     "make_prefix_cache",
 ]
 
 
 def make_prefix_cache(
-    enable_prefix_caching: bool, allocator: BlockAllocator, block_size: int, clock: Callable[[], float] = time.monotonic
+    enable_prefix_caching: bool,
+    allocator: BlockAllocator,
+    block_size: int,
+    clock: Callable[[], float] = time.monotonic,
+    kv_events: KVEventLog | None = None,
 ) -> PrefixCache:
     """The radix tree when prefix caching is on, else a cache that caches nothing
-    behind the same interface (so the engine has one code path). ``clock``: lease expiry times."""
+    behind the same interface (so the engine has one code path). ``clock``: lease expiry times.
+    ``kv_events``: where the tree records blocks stored and removed (a cache that caches nothing
+    records nothing)."""
     if enable_prefix_caching:
-        return RadixPrefixCache(allocator, block_size, clock=clock)
+        return RadixPrefixCache(allocator, block_size, clock=clock, kv_events=kv_events)
     return NoPrefixCache(allocator, block_size)

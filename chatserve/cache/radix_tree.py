@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .allocator import BlockAllocator, RefCountError
 from .eviction_record import EvictionRecord, chain_hashes
+from .kv_events import KVEventLog
 from .leases import Lease, LeaseBook, LeaseInfo
 from .lru_index import LRUIndex
 from .prefix_cache import CacheStats, InsertResult, MatchResult, MissExplanation, PartialMatch, PrefixCache
@@ -75,8 +76,11 @@ class RadixPrefixCache(PrefixCache):
         *,
         clock: Callable[[], float] = time.monotonic,
         eviction_memory_blocks: int | None = None,
+        kv_events: KVEventLog | None = None,
     ) -> None:
         super().__init__(allocator, block_size)
+        # NOTE: when set, every block the tree takes or frees is recorded there (kv_events.py).
+        self.kv_events = kv_events
         self._root = RadixNode((), [], None, 0)
         self._clock = 0
         # NOTE: exactly the non-root leaves with lock_ref == 0 and lease_ref == 0 (priority last_access) ...
@@ -162,6 +166,8 @@ class RadixPrefixCache(PrefixCache):
             self._tree_blocks.update(new_ids)
             tree_ids.extend(new_ids)
             node = leaf
+            if self.kv_events is not None:
+                self.kv_events.stored(tokens, num_cached, tree_ids)
         self._touch(node)
         return InsertResult(num_cached * bs, node, tree_ids)
 
@@ -292,7 +298,10 @@ class RadixPrefixCache(PrefixCache):
                 put_back.append(leaf)
                 continue
             victims = ids[len(ids) - k :]
-            self._evicted.add(self._path_hashes(leaf)[len(ids) - k :])
+            victim_hashes = self._path_hashes(leaf)[len(ids) - k :]
+            self._evicted.add(victim_hashes)
+            if self.kv_events is not None:
+                self.kv_events.removed(victims, victim_hashes)
             if leaf.lease_ref > 0:
                 self._num_leased_blocks -= k
                 self.num_leased_evicted_blocks += k
@@ -343,9 +352,12 @@ class RadixPrefixCache(PrefixCache):
 
     def reset(self) -> None:
         """Evict every unlocked node whose blocks no request holds (leased ones too), and forget
-        what was evicted: a reset starts the next run cold, not "evicted"."""
+        what was evicted: a reset starts the next run cold, not "evicted". An event log gets the
+        removals and, once the tree is empty, ``AllBlocksCleared`` (vLLM's reset event)."""
         self.evict(len(self._tree_blocks))
         self._evicted.clear()
+        if self.kv_events is not None and not self._tree_blocks:
+            self.kv_events.cleared()
 
     # ---- introspection --------------------------------------------------------
 

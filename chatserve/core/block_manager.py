@@ -13,7 +13,15 @@ from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple, get_args
 
-from chatserve.cache import BlockAllocator, MatchResult, MissExplanation, MissReason, PrefixCache, make_prefix_cache
+from chatserve.cache import (
+    BlockAllocator,
+    KVEventLog,
+    MatchResult,
+    MissExplanation,
+    MissReason,
+    PrefixCache,
+    make_prefix_cache,
+)
 from chatserve.core.sequence import Sequence
 
 MISS_REASONS: tuple[str, ...] = get_args(MissReason)
@@ -29,11 +37,12 @@ class BlockCopy(NamedTuple):
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, clock: Callable[[], float] = time.monotonic
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, clock: Callable[[], float] = time.monotonic,
+        kv_events: KVEventLog | None = None,
     ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size, clock)
+        self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size, clock, kv_events)
         self.cache_enabled = enable_prefix_caching
         # seq_id -> copy-on-write of a partially matching cached block, not yet done.
         # NOTE: each holds one reference on its src (so eviction cannot free it

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
+from chatserve.engine.kv_event_publisher import KVEventsConfig
 from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
 from chatserve.outputs import CompletionOutput, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
@@ -218,6 +219,16 @@ class AsyncLLMEngine:
         """Render, tokenize and validate here, then hand the ProcessedPrompt to `generate()`: it is not checked again."""
         return self.engine.input_processor
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (what a KV-aware router hashes prompts by)."""
+        return self.engine.args.block_size
+
+    @property
+    def kv_events_config(self) -> KVEventsConfig | None:
+        """Where this engine publishes KV events (None: off)."""
+        return self.engine.kv_events_config
+
     def is_healthy(self) -> bool:
         return self._dead is None
 
@@ -315,6 +326,7 @@ class AsyncLLMEngine:
         if self._dead is None:
             self._apply_pending()  # a final abort or integrity check queued in the meantime
             self._abort_all()
+        self.engine.close()
         self._executor.shutdown(wait=True)
 
     # ---- requests ----------------------------------------------------------------------------

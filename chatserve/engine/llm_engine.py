@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from chatserve.cache import KVEventLog
 from chatserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, resolve_dtype
 from chatserve.core.block_manager import BlockManager
 from chatserve.core.scheduler import ScheduledSeq, Scheduler
@@ -25,6 +26,7 @@ from chatserve.core.sequence import Sequence, SequenceStatus
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.detokenizer import IncrementalDetokenizer
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
+from chatserve.engine.kv_event_publisher import KVEventPublisher, KVEventsConfig
 from chatserve.layers.ops import select_layer_ops
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
@@ -101,7 +103,17 @@ class LLMEngine:
                 f"{pool.num_tokens} tokens); raise num_kv_blocks / kv_cache_memory_gb or lower max_model_len"
             )
         self.max_model_len = max_len
-        self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching)
+        # KV events (--kv-events-endpoint): the tree records into the log, each step's batch is published.
+        self.kv_events_config: KVEventsConfig | None = None
+        self.kv_event_log: KVEventLog | None = None
+        self.kv_event_publisher: KVEventPublisher | None = None
+        if args.kv_events_endpoint:
+            self.kv_events_config = KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                                                   args.kv_events_topic)
+            self.kv_event_log = KVEventLog(args.block_size)
+            self.kv_event_publisher = KVEventPublisher(self.kv_events_config)
+        self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching,
+                                          kv_events=self.kv_event_log)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, args.max_prefill_tokens_while_decoding),
             self.block_manager,
@@ -286,13 +298,33 @@ class LLMEngine:
                 if not seq.detokenizer.finished:
                     seq.detokenizer.flush()  # text held back for a possible stop string is final now
                 self.scheduler.finish(seq)
+        self.flush_kv_events()
         return self._make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    # ---- KV events ---------------------------------------------------------
+    def flush_kv_events(self) -> None:
+        """Hand what the prefix cache recorded since the last flush to the publisher, as one batch
+        (vLLM publishes once per step too). Called after each step, abort and reset."""
+        if self.kv_event_log is not None and self.kv_event_log.events and self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_event_log.drain())
+
+    def close(self) -> None:
+        """Stop the KV event publisher (its sockets and thread); the engine itself holds nothing else to close."""
+        if self.kv_event_publisher is not None:
+            self.flush_kv_events()
+            self.kv_event_publisher.close()
+
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            self.flush_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._admit_compiled_grammars() if self.waiting_for_grammar else []
         sched = self.scheduler.schedule()
         if sched.is_empty and self.waiting_for_grammar and self.grammar_wait_s > 0:
@@ -472,7 +504,10 @@ class LLMEngine:
         """
         if self.scheduler.running:
             return False
-        return self.block_manager.reset_prefix_cache()
+        try:
+            return self.block_manager.reset_prefix_cache()
+        finally:
+            self.flush_kv_events()
 
     def release_kv_lease(self, session_id: str) -> bool:
         """End a session's KV lease now (the session was deleted): its branch is plain LRU again."""

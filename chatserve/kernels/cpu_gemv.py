@@ -1,7 +1,8 @@
-"""C++ kernels for AVX512-BF16 CPUs, compiled on first use: the bf16 matmul for decode batch
-sizes (csrc/bf16_gemv.cpp), the AMX tile matmul over pre-packed weights for CPUs that have AMX
-(csrc/amx_gemm.cpp), paged decode attention (csrc/cpu_attention.cpp), and fused rotary,
-silu*up and RMSNorm (csrc/cpu_fused.cpp). Each is checked against torch here before it is used.
+"""C++ kernels for AVX512-BF16 CPUs, compiled on first use: the batch-invariant bf16 matmul over
+packed weights, one kernel for every row count (csrc/bf16_gemm.cpp), the older dot-product matmul
+(csrc/bf16_gemv.cpp, kept for CHATSERVE_LINEAR=legacy), the AMX tile matmul over pre-packed
+weights for CPUs that have AMX (csrc/amx_gemm.cpp), paged attention for prefill, extend and decode (csrc/cpu_attention.cpp),
+and fused rotary, silu*up and RMSNorm (csrc/cpu_fused.cpp). Each is checked against torch here before it is used.
 Why and how fast: BENCHMARKS.md ("Offline runtime").
 
 The extension is built once per machine with torch's cpp_extension (ninja and a
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 MAX_GEMV_ROWS = 128  # the kernel takes any row count; above this oneDNN is as fast (see models/cpu_linear.py)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("bf16_gemv.cpp", "amx_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp")]
+_SOURCES = [_CSRC / name for name in ("bf16_gemv.cpp", "bf16_gemm.cpp", "amx_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp")]
 _HEADERS = [_CSRC / "simd.h"]
 
 
@@ -52,11 +53,28 @@ class AmxMatmul:
 
 
 @dataclass(frozen=True)
+class PackedGemm:
+    """The batch-invariant AVX512-BF16 matmul over weights packed once (csrc/bf16_gemm.cpp): every
+    output element is one fixed accumulation chain over K, so a row's result has the same bits
+    whatever the row count of the call and the row's position in it."""
+
+    pack: Callable[..., torch.Tensor]  # bf16 [N, K] (, out=) -> packed [ceil(N/64), ceil(K/2), 64, 2]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # x [M, K], packed, bias, N
+    rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, int64 ids [T], N, K -> rows [T, K]
+    peak_gflops: Callable[[int], float]  # iterations -> register-only vdpbf16ps GFLOP/s on all threads
+
+    @staticmethod
+    def packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
+        return ((n + 63) // 64, (k + 1) // 2, 64, 2)
+
+
+@dataclass(frozen=True)
 class CpuKernels:
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x[M, K] . w[N, K]^T (+ bias)
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # bf16 rows [M, D], weight [D], eps
-    # q [B, H, D], k/v cache [blocks, block_size, KVH, D], block tables [B, nb] int64, context lens [B] int64, scale
-    paged_decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # prefill, extend and decode in one kernel (csrc/cpu_attention.cpp): q [T, H, D], k/v cache, block tables
+    # [S, nb], query_start [S + 1], start_pos [S], seq_order [S], group_start [G + 1] (all int64), scale -> [T, H, D]
+    paged_attention: Callable[..., torch.Tensor]
     # k, v [T, KVH, D], k/v cache [blocks, block_size, KVH, D], slot mapping [T] int64 (-1: skip)
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
@@ -64,6 +82,7 @@ class CpuKernels:
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, residual (+= x), w, eps
     huge_page_zeros: Callable[[int], torch.Tensor]  # numel -> zeroed bf16 [numel] advised for transparent huge pages
     release_free_memory: Callable[[], None]  # glibc malloc_trim: freed heap pages back to the OS
+    gemm: PackedGemm | None = None  # the batch-invariant matmul (None only where it failed its check)
     amx: AmxMatmul | None = None  # where the CPU has AMX tiles (and the OS lets us use them)
 
 
@@ -91,8 +110,10 @@ def load_cpu_kernels(amx: bool = True) -> CpuKernels | None:
                 # -fopenmp: at::parallel_for is inlined from headers and is serial without it
                 # the header's hash in the flags: torch rebuilds when sources or flags change, not headers
                 # -mamx-*: only the AMX functions use tile instructions; they run only where amx_available()
+                # -ffp-contract=off: no multiply fuses with an add unless the source says so, so a kernel's
+                # arithmetic is the same in every place it is inlined (batch invariance, issue 20)
                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
-                              "-fopenmp", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
+                              "-fopenmp", "-ffp-contract=off", f"-DCHATSERVE_HEADERS={_headers_hash()}"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
@@ -107,15 +128,38 @@ def load_cpu_kernels(amx: bool = True) -> CpuKernels | None:
             if not torch.allclose(fn(x, w, b).float(), ref, atol=0.05 * float(ref.abs().max()) + 0.05):
                 logger.warning("bf16 gemv kernel gave wrong results; using F.linear")
                 return None
-        _verify_paged_decode(ext.paged_decode_attention_bf16, ext.store_kv_bf16)
+        _verify_paged_attention(ext.paged_attention_bf16, ext.store_kv_bf16)
         _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16, ext.add_rms_norm_bf16)
-        return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_decode=ext.paged_decode_attention_bf16,
+        return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_attention=ext.paged_attention_bf16,
                           store_kv=ext.store_kv_bf16, silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
                           add_rms_norm=ext.add_rms_norm_bf16, huge_page_zeros=ext.huge_page_zeros,
-                          release_free_memory=ext.release_free_memory, amx=_load_amx(ext) if amx else None)
+                          release_free_memory=ext.release_free_memory, gemm=_load_gemm(ext),
+                          amx=_load_amx(ext) if amx else None)
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.info("bf16 gemv kernel unavailable (%s); using F.linear", exc)
         return None
+
+
+def _load_gemm(ext) -> PackedGemm | None:
+    """The batch-invariant matmul, proven on this machine (close to the fp32 matmul, each row the
+    same bits alone as in a batch, the packed rows read back exactly), or None."""
+    gemm = PackedGemm(pack=ext.bf16_gemm_pack, linear=ext.bf16_gemm, rows=ext.bf16_gemm_rows,
+                      peak_gflops=ext.bf16_dot_peak_gflops)
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((80, 64), (150, 71)):  # a ragged column group; an odd K
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+        x = torch.randn(70, k, generator=gen).to(torch.bfloat16)  # > one register tile, both thread splits
+        packed = gemm.pack(w)
+        out = gemm.linear(x, packed, b, n)
+        ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        alone = torch.cat([gemm.linear(x[i : i + 1], packed, b, n) for i in (0, 37, 69)])
+        ids = torch.tensor([n - 1, 0, 17])
+        if not (torch.allclose(out.float(), ref, atol=0.02 * float(ref.abs().max()) + 0.02)
+                and torch.equal(alone, out[[0, 37, 69]]) and torch.equal(gemm.rows(packed, ids, n, k), w[ids])):
+            logger.warning("batch-invariant bf16 matmul gave wrong results; using the older kernels")
+            return None
+    return gemm
 
 
 def _load_amx(ext) -> AmxMatmul | None:
@@ -217,18 +261,24 @@ def _verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], tor
         raise RuntimeError("rms_norm kernel gave wrong results")
 
 
-def _verify_paged_decode(paged_decode: Callable[..., torch.Tensor], store_kv: Callable[..., None]) -> None:
-    from chatserve.kernels.reference import paged_decode_attention, store_kv_cache
+def _verify_paged_attention(paged_attention: Callable[..., torch.Tensor], store_kv: Callable[..., None]) -> None:
+    """Decodes and chunks over cached keys in one call against the torch reference, and one row
+    alone giving the same bits as in the batch (what the kernel is for)."""
+    from chatserve.kernels.reference import paged_extend_attention, store_kv_cache
 
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(6, 4, 2, 32, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(6, 4, 2, 32, generator=gen).to(torch.bfloat16)
-    q = torch.randn(3, 6, 32, generator=gen).to(torch.bfloat16)
-    tables = torch.tensor([[5, 1, 0], [2, 2, 2], [4, 3, 0]])
-    lens = torch.tensor([9, 1, 7])
-    ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.2)
-    if not torch.allclose(paged_decode(q, k_cache, v_cache, tables, lens, 0.2).float(), ref, atol=2e-2, rtol=2e-2):
-        raise RuntimeError("paged decode attention kernel gave wrong results")
+    q = torch.randn(8, 6, 32, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[5, 1, 0, 3, 4], [2, 2, 2, 2, 2], [4, 3, 0, 1, 5]])
+    query_start, start_pos = torch.tensor([0, 1, 2, 8]), torch.tensor([8, 0, 13])  # two decodes, a 6-token chunk
+    order, groups = torch.arange(3), torch.tensor([0, 1, 3])
+    ref = paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), tables, query_start, torch.tensor([9, 1, 19]), 0.2)
+    out = paged_attention(q, k_cache, v_cache, tables, query_start, start_pos, order, groups, 0.2)
+    alone = paged_attention(q[5:6], k_cache, v_cache, tables[2:], torch.tensor([0, 1]), torch.tensor([16]),
+                            torch.tensor([0]), torch.tensor([0, 1]), 0.2)
+    if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) or not torch.equal(alone, out[5:6]):
+        raise RuntimeError("paged attention kernel gave wrong results")
     kv = torch.randn(3, 2 * 2 * 32, generator=gen).to(torch.bfloat16).view(3, 4, 32)  # strided K and V views
     slots = torch.tensor([5, -1, 22])
     expect_k, expect_v = k_cache.clone(), v_cache.clone()

@@ -1,16 +1,26 @@
 """Faster bf16 linear layers on the CPU, with a bounded set of oneDNN matmul shapes.
 
 Each `Linear` gets its `LinearMethod` at construction (vLLM's quant-method pattern): the method
-says how the loaded weight is stored (`process`) and how x @ W.T runs (`apply`). Four, picked once
-by `select_linear_method` from what the CPU offers:
+says how the loaded weight is stored (`process`) and how x @ W.T runs (`apply`). Picked once by
+`select_linear_method` from what the CPU offers:
 
+- **The batch-invariant AVX512-BF16 matmul** (`PackedGemmLinearMethod`, the default on CPUs with
+  AVX512-BF16 and no AMX, e.g. AMD Zen 4/5): weights packed once into the kernel's layout, one
+  kernel for every row count, and each output element one fixed accumulation chain over K, so a
+  row's result has the same bits alone, in a decode batch or as the last token of a 1,000-row
+  prefill (issue #20: greedy output must not change with batch composition or the prefix cache).
+  Hot in cache it runs at ~90% of the core's vdpbf16ps peak from M = 32 on, and streams the
+  weights faster than the older kernel at decode sizes (BENCHMARKS.md, "Batch-invariant matmul").
 - **AMX tiles** (`AmxLinearMethod`, Intel Sapphire Rapids and later): each weight packed once into the
-  tile layout; one shape-free kernel for every row count. Over a 30-layer SmolLM2-sized weight set
+  tile layout; one shape-free kernel for every row count, batch-invariant too (each output tile
+  accumulates over K in the same order whatever M; the tile rows configured for M < 16 and the
+  zero-padded copy of ragged rows change which rows share a tile, not a row's arithmetic). Over a 30-layer SmolLM2-sized weight set
   plus its lm_head (cold caches, Intel Xeon dev host), ms per forward of M rows, AMX vs our
   AVX512-BF16 kernel vs oneDNN (`F.linear`): M=1 13.6 / 12.2 / 27.0, M=8 13.8 / 17.8 / 27.2,
   M=32 14.8 / 53.7 / 29.9, M=128 33.1 / 190 / 49.0, M=1000 218 / - / 216 (BENCHMARKS.md).
-- **Our AVX512-BF16 kernel** (`GemvLinearMethod`, e.g. AMD Zen 4) over plain weights up to
-  KERNEL_MAX_ROWS rows, oneDNN above. Measured on the AMD EPYC dev host of earlier sessions:
+- **The older AVX512-BF16 kernel** (`GemvLinearMethod`, only with CHATSERVE_LINEAR=legacy, for
+  comparison) over plain weights up to KERNEL_MAX_ROWS rows, oneDNN above: a row rounds differently
+  at every row count (not batch-invariant). Measured on the AMD EPYC dev host of earlier sessions:
   M=8 23.4 vs 11.7 (oneDNN vs ours), M=32 38.2 vs 28.4, M=128 99.8 vs 89.0, M=1000 689 vs 726.
 - **oneDNN-prepacked weights** (`OneDNNPackedLinearMethod`) when the kernels cannot be built.
 - **plain `F.linear`** (`TorchLinearMethod`) for float32, GPUs and anything else.
@@ -21,15 +31,16 @@ With the kernels, all the weights sit in one arena advised for transparent huge 
 Why the pieces: oneDNN builds (and caches, up to 1,024 entries) one primitive per distinct matmul
 shape, a few hundred KiB each, and glibc then fragments around them. Under a serving workload
 every step has a different row count, so a server's RSS grew by hundreds of MiB over minutes.
-Rows above KERNEL_MAX_ROWS are therefore cut into power-of-two pieces (>= ONEDNN_MIN_ROWS) plus a
-remainder for our kernel: at most ~6 shapes per weight, whatever the traffic. The AMX kernel has
-no per-shape state at all.
+In the legacy path, rows above KERNEL_MAX_ROWS are therefore cut into power-of-two pieces (>= ONEDNN_MIN_ROWS)
+plus a remainder for our kernel: at most ~6 shapes per weight, whatever the traffic. The AMX kernel and the
+batch-invariant one have no per-shape state at all.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 
@@ -37,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, AmxMatmul, CpuKernels
+from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, CpuKernels, PackedGemm
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +211,36 @@ class GemvLinearMethod(LinearMethod):
         return embedding
 
 
+class PackedGemmLinearMethod(LinearMethod):
+    """Weights packed once into the batch-invariant kernel's layout, in the arena (the plain copy
+    dropped); one kernel for every row count, nothing cached per shape, and a row's result the same
+    bits whatever else is in the call. A tied embedding reads its rows back from the packed copy."""
+
+    description = "batch-invariant avx512-bf16 matmul over packed weights (one huge-page arena)"
+
+    def __init__(self, kernels: CpuKernels, arena: WeightArena) -> None:
+        assert kernels.gemm is not None
+        self.gemm: PackedGemm = kernels.gemm
+        self.arena = arena
+
+    def reserve(self, layer: Linear) -> None:
+        self.arena.reserve(layer, math.prod(self.gemm.packed_shape(layer.out_features, layer.in_features)))
+
+    def process(self, layer: Linear) -> None:
+        view = self.arena.take(layer, self.gemm.packed_shape(layer.out_features, layer.in_features))
+        with torch.no_grad():
+            layer.packed_weight = self.gemm.pack(layer.weight.detach(), out=view)
+        del layer.weight
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:  # the kernel reads rows of unit stride (row-strided views in place)
+            x = x.contiguous()
+        return self.gemm.linear(x, layer.packed_weight, layer.bias, layer.out_features)
+
+    def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
+        return PackedEmbedding(head, self.gemm.rows)
+
+
 class AmxLinearMethod(LinearMethod):
     """Weights packed once into the AMX tile layout, in the arena; one shape-free kernel for every
     row count, so nothing is cached per shape (unlike oneDNN)."""
@@ -224,7 +265,7 @@ class AmxLinearMethod(LinearMethod):
         return self.amx.linear(x, layer.packed_weight, layer.bias, layer.out_features)
 
     def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
-        return PackedEmbedding(head, self.amx)
+        return PackedEmbedding(head, self.amx.rows)
 
 
 class Linear(nn.Module):
@@ -251,27 +292,43 @@ class Linear(nn.Module):
         return self.method.apply(self, x)
 
 
-class PackedEmbedding(nn.Module):
-    """Token embedding that reads its rows from a tied lm_head's AMX-packed weight."""
+PackedRows = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, ids, N, K -> rows [T, K]
 
-    def __init__(self, head: Linear, amx: AmxMatmul) -> None:
+
+class PackedEmbedding(nn.Module):
+    """Token embedding that reads its rows, bit for bit, from a tied lm_head's packed weight (AMX
+    tiles or the batch-invariant kernel's layout): one copy of the table in all."""
+
+    def __init__(self, head: Linear, rows: PackedRows) -> None:
         super().__init__()
         self.head = head
-        self.amx = amx
+        self.rows = rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head
-        return self.amx.rows(head.packed_weight, ids, head.out_features, head.in_features)
+        return self.rows(head.packed_weight, ids, head.out_features, head.in_features)
+
+
+LINEAR_ENV = "CHATSERVE_LINEAR"  # "legacy": the older kernel + oneDNN split, for comparison only
 
 
 def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethod:
-    """The fastest bf16 matmul this CPU offers, with one copy of each weight: AMX tiles, else our
-    AVX512-BF16 kernel, else oneDNN-packed weights; plain F.linear for other dtypes and devices."""
+    """The fastest bf16 matmul this CPU offers, with one copy of each weight: AMX tiles, else the
+    batch-invariant AVX512-BF16 kernel, else oneDNN-packed weights; plain F.linear for other dtypes
+    and devices. $CHATSERVE_LINEAR=legacy picks the older kernel + oneDNN split instead (on CPUs
+    without AMX; it is not batch-invariant), to compare the two."""
+    choice = os.environ.get(LINEAR_ENV, "").strip().lower()
+    if choice not in ("", "legacy"):
+        raise ValueError(f"${LINEAR_ENV} must be unset or 'legacy', got {choice!r}")
     if device.type != "cpu" or dtype != torch.bfloat16:
         return TorchLinearMethod()
     if kernels is not None:
         arena = WeightArena(kernels)
-        return AmxLinearMethod(kernels, arena) if kernels.amx is not None else GemvLinearMethod(kernels, arena)
+        if kernels.amx is not None:
+            return AmxLinearMethod(kernels, arena)
+        if kernels.gemm is not None and choice != "legacy":
+            return PackedGemmLinearMethod(kernels, arena)
+        return GemvLinearMethod(kernels, arena)
     if packed_linear_available(dtype, device):
         return OneDNNPackedLinearMethod()
     return TorchLinearMethod()

@@ -8,14 +8,13 @@ from torch import nn
 
 from chatserve.kernels.cpu_gemv import CpuKernels
 
-FAST_NORM_MAX_ROWS = 64  # the C++ norms run rows serially; torch's parallel op wins on big batches
-
 
 class RMSNorm(nn.Module):
     """Computed in float32 and cast back before the weight, as transformers does (bit-exact in fp32).
 
-    `kernels` (the C++ bf16 kernels, or None) decides at construction what bf16 inputs of up to
-    FAST_NORM_MAX_ROWS rows run on; larger batches and other dtypes use torch's ops.
+    `kernels` (the C++ bf16 kernels, or None) decides at construction what bf16 rows run on: the
+    C++ pass at every row count (one row's arithmetic whatever the batch: a row must not round
+    differently at 65 rows than at 64, issue 20; it threads over rows above 64), torch's ops otherwise.
     """
 
     def __init__(self, dim: int, eps: float, kernels: CpuKernels | None = None) -> None:
@@ -28,7 +27,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != torch.float32:
-            if self._kernel is not None and x.dim() == 2 and x.shape[0] <= FAST_NORM_MAX_ROWS:
+            if self._kernel is not None and x.dim() == 2:
                 return self._kernel(x, self.weight, self.eps)
             # one fused op; differs from the formula below by at most one bf16 ulp
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -40,10 +39,10 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x): the residual stream's add fused with the next norm.
 
         Same arithmetic either way (the sum is rounded to the stream's dtype before the norm); the
-        C++ pass updates `residual` in place for small bf16 batches, saving one op and one pass.
+        C++ pass updates `residual` in place for bf16 rows, saving one op and one pass.
         """
         if (self._kernel_add is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-                and x.shape[0] <= FAST_NORM_MAX_ROWS and residual.is_contiguous()):
+                and residual.is_contiguous()):
             return self._kernel_add(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self(residual), residual

@@ -16,23 +16,30 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from chatserve.engine.async_engine import AsyncLLMEngine
+from chatserve.server import resumable
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.context import ServerContext
 from chatserve.server.errors import exception_handlers
+from chatserve.server.event_log import make_event_log
 from chatserve.server.metrics import ServerMetrics
 from chatserve.server.middleware import AuthAndErrorCount
-from chatserve.server.routes import admin, openai, tokens, web
+from chatserve.server.routes import admin, kv_events, openai, tokens, web
+from chatserve.server.routes import responses as responses_routes
 from chatserve.server.routes import sessions as session_routes
+from chatserve.server.runs import RunRegistry
 from chatserve.server.session_header import SessionHeader
 from chatserve.server.settings import ServerSettings
 from chatserve.server.tracker import RequestTracker
 from chatserve.sessions import SessionStore
+from chatserve.sessions.factory import make_response_store
+from chatserve.sessions.response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
 
 def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
-               settings: ServerSettings | None = None, cancel_bus: CancelBus | None = None) -> Starlette:
+               settings: ServerSettings | None = None, cancel_bus: CancelBus | None = None,
+               responses: ResponseStore | None = None) -> Starlette:
     """The whole HTTP surface over one engine. `sessions` None: no session API. `cancel_bus`: cancels
     reach the replica holding the request (several replicas sharing a Redis behind a router)."""
     settings = settings or ServerSettings()
@@ -40,9 +47,15 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
     server_metrics = ServerMetrics(engine.stats, model_name)
     ctx = ServerContext(engine, sessions, settings, server_metrics,
                         RequestTracker(settings.finished_request_history), model_name,
-                        chat_template=settings.load_chat_template(), cancel_bus=cancel_bus)
+                        chat_template=settings.load_chat_template(), cancel_bus=cancel_bus,
+                        runs=RunRegistry(make_event_log(sessions, max_events=settings.event_log_max_events,
+                                                        ttl_s=settings.event_log_ttl_s)),
+                        responses=responses if responses is not None else make_response_store(
+                            sessions, ttl_seconds=settings.responses_ttl_s,
+                            max_in_memory=settings.responses_max_in_memory))
 
-    routes: list[BaseRoute] = [*admin.routes(), *openai.routes(), *tokens.routes()]
+    routes: list[BaseRoute] = [*admin.routes(), *openai.routes(), *tokens.routes(), *kv_events.routes(),
+                                *responses_routes.routes(), *resumable.routes()]
     if sessions is not None:
         routes.extend(session_routes.routes())
     if settings.serve_web:
@@ -58,6 +71,7 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
             yield
         finally:
             ctx.accepting = False
+            await ctx.runs.shutdown()  # detached runs end ("engine") and their logs are ended
             await engine.shutdown()
             if cancel_bus is not None:
                 await cancel_bus.close()

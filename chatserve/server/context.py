@@ -19,10 +19,13 @@ from starlette.requests import Request
 from chatserve.engine.async_engine import AsyncLLMEngine
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.errors import APIError
+from chatserve.server.event_log import MemoryEventLog
 from chatserve.server.metrics import ServerMetrics
+from chatserve.server.runs import RunRegistry
 from chatserve.server.settings import ServerSettings
 from chatserve.server.tracker import RequestTracker
 from chatserve.sessions import SessionStore
+from chatserve.sessions.response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ class ServerContext:
     started_at: int = field(default_factory=lambda: int(time.time()))
     chat_template: str | None = None  # --chat-template's text; None: the model's own
     cancel_bus: CancelBus | None = None  # cancels for requests other replicas hold (None: local only)
+    runs: RunRegistry = field(default_factory=lambda: RunRegistry(MemoryEventLog()))  # resumable/background runs
+    responses: ResponseStore | None = None  # stored Responses API objects (None: the Responses API's store is off)
 
     @property
     def max_model_len(self) -> int:

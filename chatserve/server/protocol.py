@@ -118,6 +118,8 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # chatserve: log the stream's events so a dropped client resumes it (GET .../{id}/stream, Last-Event-ID)
+    resumable: bool = False
 
 
 class TextPart(StrictModel):
@@ -288,6 +290,9 @@ class SamplingFields(StrictModel):
     n: PositiveInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # chatserve: what a lost connection means, "abort" (default) or "detach" / {"mode", "lease_seconds"}
+    # (checked, with the server's limits, by runs.DisconnectPolicy.parse: one 400 naming the exact field)
+    disconnect_policy: Any = None
     stop: str | list[str] | None = None
     max_tokens: PositiveInt | None = None
     presence_penalty: Penalty | None = None

@@ -46,6 +46,21 @@ class ServerSettings:
         "help": "seconds an idle session's cached KV is protected from eviction after each turn (renewed every "
                 "turn; a session's defaults.kv_lease_seconds overrides it; 0 turns leases off). Soft: leased "
                 "blocks are evicted last, never at the cost of a request"})
+    event_log_ttl_s: float = field(default=600.0, metadata={
+        "help": "seconds a resumable stream's events stay after its last event (Redis with --redis-url, else "
+                "memory): how long a dropped client may come back with Last-Event-ID / starting_after"})
+    event_log_max_events: int = field(default=10_000, metadata={
+        "help": "most events kept per resumable stream (the oldest are trimmed; a cursor before them is a 400)"})
+    detach_lease_s: float = field(default=60.0, metadata={
+        "help": "disconnect_policy 'detach': seconds a run goes on with no reader before it is aborted and "
+                "frees its KV blocks (a request's lease_seconds overrides it)"})
+    max_detach_lease_s: float = field(default=3600.0, metadata={
+        "help": "largest lease_seconds a request's disconnect_policy may ask for"})
+    responses_ttl_s: float = field(default=24 * 3600.0, metadata={
+        "help": "seconds a stored response (Responses API: the object, its input items and its conversation's "
+                "token ids) is kept after its last write, in Redis with --redis-url, else in memory"})
+    responses_max_in_memory: int = field(default=10_000, metadata={
+        "help": "most responses kept in memory without --redis-url (the least recently written go first)"})
 
     def load_chat_template(self) -> str | None:
         """The --chat-template file's text (read once, at startup, so a bad path fails before serving)."""
@@ -62,6 +77,10 @@ class ServerSettings:
             raise ValueError(f"sse_keepalive_s must be > 0, got {self.sse_keepalive_s}")
         if not self.kv_lease_seconds >= 0:
             raise ValueError(f"kv_lease_seconds must be >= 0, got {self.kv_lease_seconds}")
-        for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_messages", "max_queue_len"):
+        for name in ("event_log_ttl_s", "detach_lease_s", "max_detach_lease_s", "responses_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_messages", "max_queue_len",
+                     "event_log_max_events", "responses_max_in_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -32,10 +32,11 @@ def dumps(obj: Any) -> str:
 
 
 class SSECounter:
-    """Numbers the SSE events of one stream (the `id:` field)."""
+    """Numbers the SSE events of one stream (the `id:` field) 0, 1, 2, ...: the numbering of the event
+    log too, so a resumable stream's ids (its log's sequence numbers) and a plain stream's agree."""
 
     def __init__(self) -> None:
-        self.n = 0
+        self.n = -1
 
     def event(self, data: Any) -> dict[str, Any]:
         self.n += 1

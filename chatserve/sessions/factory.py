@@ -1,11 +1,14 @@
-"""make_session_store: the store the server runs with, chosen by --redis-url."""
+"""make_session_store / make_response_store: the stores the server runs with, chosen by --redis-url."""
 
 from __future__ import annotations
 
 import logging
 
+from chatserve.sessions.memory_response_store import InMemoryResponseStore
 from chatserve.sessions.memory_store import InMemorySessionStore
+from chatserve.sessions.redis_response_store import RedisResponseStore
 from chatserve.sessions.redis_store import RedisSessionStore
+from chatserve.sessions.response_store import ResponseStore
 from chatserve.sessions.store import DEFAULT_SESSION_TTL_S, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -31,3 +34,11 @@ def make_session_store(
         "and are lost on restart (pass --redis-url redis://host:6379/0 to keep them)"
     )
     return InMemorySessionStore(default_ttl_seconds=default_ttl_seconds)
+
+
+def make_response_store(sessions: SessionStore | None, *, ttl_seconds: float, max_in_memory: int) -> ResponseStore:
+    """Stored responses (the Responses API) live where the sessions do: in the same Redis, on the same
+    client and prefix, when sessions are in Redis; else in this process's memory (lost on restart)."""
+    if isinstance(sessions, RedisSessionStore):
+        return RedisResponseStore.beside(sessions, ttl_seconds=ttl_seconds)
+    return InMemoryResponseStore(ttl_seconds=ttl_seconds, max_responses=max_in_memory)

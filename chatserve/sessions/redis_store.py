@@ -101,6 +101,23 @@ def _redacted(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
+@contextlib.contextmanager
+def redis_errors(url: str, doing: str, error: type[Exception], what: str, heals: str) -> Iterator[None]:
+    """Every Redis failure as `error` with a message naming the Redis, what failed and what heals it
+    (shared by the stores that live in Redis: sessions, the event log). WatchError passes through."""
+    try:
+        yield
+    except WatchError:
+        raise
+    except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as e:
+        raise error(
+            f"{what} unavailable: cannot reach Redis at {url} to {doing} "
+            f"({type(e).__name__}: {e}); {heals} work again as soon as Redis answers"
+        ) from e
+    except RedisError as e:
+        raise error(f"{what} failed: Redis at {url} answered an error to {doing} ({type(e).__name__}: {e})") from e
+
+
 class RedisSessionStore(SessionStore):
     persistent = True
     backend = "redis"
@@ -138,21 +155,14 @@ class RedisSessionStore(SessionStore):
         base = f"{self.prefix}session:{session_id}"
         return _Keys(base, f"{base}:messages", f"{base}:tokens", f"{base}:lock")
 
-    @contextlib.contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        try:
-            yield
-        except WatchError:
-            raise
-        except (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError) as e:
-            raise SessionStoreUnavailable(
-                f"session store unavailable: cannot reach Redis at {self.url} to {doing} "
-                f"({type(e).__name__}: {e}); sessions work again as soon as Redis answers"
-            ) from e
-        except RedisError as e:
-            raise SessionStoreUnavailable(
-                f"session store failed: Redis at {self.url} answered an error to {doing} ({type(e).__name__}: {e})"
-            ) from e
+    @property
+    def client(self) -> aioredis.Redis:
+        """The store's Redis client (its pool, timeouts and retry), shared by what else lives in the same
+        Redis (the event log of resumable streams) instead of a second connection setup."""
+        return self._client
+
+    def _errors(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        return redis_errors(self.url, doing, SessionStoreUnavailable, "session store", "sessions")
 
     async def _after_watch(self, session_id: str) -> None:
         """Runs between WATCH and MULTI of every read-modify-write; a no-op.

@@ -22,8 +22,10 @@ Excluded tokens get a logit of ``-inf`` and therefore a probability of exactly
 token is never picked.
 
 Reproducibility: a row with a ``torch.Generator`` draws its one uniform per
-step from it and nothing else does, so a seeded request gets the same token
-whatever else is in the batch and wherever its row is.
+step from it and nothing else does, and every stage computes a row from that
+row alone in an order that does not depend on the batch (greedy ties go to the
+lowest token id), so a seeded request gets the same token whatever else is in
+the batch and wherever its row is (tests/test_row_invariance.py).
 """
 
 from __future__ import annotations
@@ -303,7 +305,19 @@ def _relative_weights(logits: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
 def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise logsumexp as ``[B, 1]``; torch.logsumexp is several times slower than this on CPU."""
     peak = logits.amax(dim=-1, keepdim=True)
-    return peak + _relative_weights(logits, peak).sum(dim=-1, keepdim=True).log()
+    return peak + _row_sums(_relative_weights(logits, peak)).log()
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(dim=-1, keepdim=True)`` with a row's bits independent of the batch.
+
+    NOTE: torch sums a lone row by splitting it across threads (another order of additions than
+    the one-row-per-thread order of a batch), so a request's top-p cut could move by a rounding
+    with what else is in the step. A lone row is summed as one of two identical rows instead.
+    """
+    if x.shape[0] == 1:
+        return x.expand(2, -1).sum(dim=-1, keepdim=True)[:1]
+    return x.sum(dim=-1, keepdim=True)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:

@@ -80,6 +80,8 @@ class FakeEngine:
         self.structured_error: str | None = None  # set: check_structured_outputs raises ValueError(this)
         self.sessions_seen: list[Any] = []  # the SessionKV (or None) each generate() was given
         self.released_leases: list[str] = []  # session ids the server asked to release
+        self.block_size = block_size
+        self.kv_events_config: Any = None  # a KVEventsConfig: what /kv_event_sources reports (None: events off)
 
     # ---- the properties the server reads ------------------------------------------------------
     @property

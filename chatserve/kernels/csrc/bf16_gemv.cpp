@@ -207,9 +207,16 @@ torch::Tensor amx_pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out)
 torch::Tensor amx_packed_rows(torch::Tensor packed, torch::Tensor ids, int64_t N, int64_t K);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
 
+// kernels/csrc/bf16_gemm.cpp
+torch::Tensor bf16_gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> out);
+torch::Tensor bf16_gemm_rows(torch::Tensor packed, torch::Tensor ids, int64_t N, int64_t K);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
+double bf16_dot_peak_gflops(int64_t iterations);
+
 // kernels/csrc/cpu_attention.cpp
-torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos,
+                                   torch::Tensor seq_order, torch::Tensor group_start, double scale);
 void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
 
@@ -231,7 +238,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
   m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
-  m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, "paged decode attention over a bf16 KV cache");
+  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache");
   m.def("bf16_gemv", &bf16_gemv, "small-batch bf16 x W^T");
+  m.def("bf16_gemm_pack", &bf16_gemm_pack, "bf16 [N, K] -> the batch-invariant matmul's layout [G, Kp, 64, 2]",
+        py::arg("w"), py::arg("out") = py::none());
+  m.def("bf16_gemm_rows", &bf16_gemm_rows, "rows of the matrix behind a bf16_gemm-packed weight");
+  m.def("bf16_gemm", &bf16_gemm, "batch-invariant bf16 x W^T (+ bias) over a bf16_gemm-packed weight");
+  m.def("bf16_dot_peak_gflops", &bf16_dot_peak_gflops, "register-only vdpbf16ps GFLOP/s on all threads");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");
 }

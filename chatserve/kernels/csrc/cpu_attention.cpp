@@ -1,11 +1,23 @@
-// Paged decode attention for bf16 KV caches on AVX-512 CPUs: one query token per sequence over
-// the tokens its block table names, grouped-query aware.
+// Paged attention for bf16 KV caches on AVX512-BF16 CPUs: prefill, chunked prefill over cached
+// keys, and decode in one kernel, with one reduction order per query row.
 //
-// Why: the torch path copies every sequence's blocks into a dense [B, KVH, L, D] tensor
-// (index_select), then runs SDPA with a padding mask: two passes over the KV and a copy. Here
-// each (sequence, KV head) reads its K/V rows once, in place, for all the query heads that share
-// them. Softmax in fp32 (exact max subtraction, two passes over the scores), output rounded to
-// bf16 once.
+// Why one kernel: a row's result must not depend on how it is scheduled (issue 20: the same
+// request gave different greedy text alone, from the prefix cache and in a batch). So for every
+// (query row, query head) the arithmetic is fixed by the row's own data: its keys 0..pos are
+// walked in tiles of 16 key positions (16j .. 16j + 15, through the block table), each tile an
+// online-softmax step (scores, running max, rescale, weighted sum of V), in the same order and with
+// the same instructions whether the row is one decode token, one of a 1,000-token prompt, or one
+// of several sequences sharing a cached prefix. Nothing is split over keys (no split-K), so threads
+// only ever divide query rows among themselves.
+//
+// How: the q-vectors (row, head) that share a KV head are processed in work items of up to
+// kMaxItemRows. For each key tile the item's rows that see it and read the same physical blocks
+// share one transposed copy of its K (key i in lane i, bf16 pairs of dims: a score is a chain of
+// vdpbf16ps over head_dim in order) and one pair-interleaved copy of its V (the weighted sum is a
+// chain of vdpbf16ps over the tile's key pairs, P rounded to bf16 as SDPA does). Sharing the copies
+// is what makes long prefills and shared prefixes (cascade) cheap; each row's own chain is the same
+// as if it were alone. Build with -ffp-contract=off: no multiply may fuse with an add differently
+// in one inlined context than in another.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -14,164 +26,358 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
 namespace {
 
 using chatserve_simd::exp_ps;
-using chatserve_simd::load16_bf16_as_fp32;
-using chatserve_simd::reduce16;
 
-constexpr int kMaxRep = 16;   // query heads per KV head
-constexpr int kMaxHeadDim = 256;
+// q rows are read as bf16 pairs; a row starts at an even element, so 2-byte alignment is all we know.
+typedef int32_t __attribute__((aligned(2), may_alias)) pair_t;
 
-struct Shapes {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
+constexpr int64_t kTile = 16;        // key positions per online-softmax step (fixed: part of the arithmetic)
+constexpr int kMaxItemRows = 48;     // q-vectors per work item (sharing each tile's K/V copies)
+constexpr int kChunk = 8;            // q-vectors whose scores are computed together in registers
+constexpr int64_t kMaxHeadDim = 256;
+
+struct QVec {
+  int64_t t;     // row of q / out
+  int64_t head;  // query head
+  int64_t seq;   // sequence (row of the block tables)
+  int64_t pos;   // position: keys 0..pos are attended
 };
 
-inline __m512bh load_bf16x32(const at::BFloat16* p, int64_t remaining) {
-  if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << remaining) - 1), reinterpret_cast<const void*>(p));
+struct Item {
+  int64_t begin, end;  // range of the group's q-vectors
+  int64_t kv_head;
+  int64_t group;
+  double cost;
+};
+
+struct Ctx {
+  const at::BFloat16* q;
+  int64_t q_row_stride;
+  const at::BFloat16* k;
+  const at::BFloat16* v;
+  at::BFloat16* out;
+  const int64_t* tables;
+  int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
+
+// Per thread: one tile's K (transposed) and V (pair-interleaved) copies and the rows' running state.
+struct Scratch {
+  alignas(64) int32_t kt[kMaxHeadDim / 2 * kTile];  // [D/2][16 keys]: bf16 pair (dims 2c, 2c+1) of key i
+  alignas(64) int32_t vp[kTile / 2 * kMaxHeadDim];  // [8 key pairs][D]: (v_2i[d], v_2i+1[d]), unpack order
+  alignas(64) float acc[kMaxItemRows * kMaxHeadDim];
+  float m[kMaxItemRows];
+  float l[kMaxItemRows];
+};
+
+// Sum of 16 lanes in a fixed tree (halves, then quarters, ...): the same order for every row.
+inline float hsum16(__m512 x) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  const __m128 d = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));
+  return _mm_cvtss_f32(d);
 }
 
-// One (sequence, KV head): scores for its REP query heads, softmax, weighted sum of V.
-// Returns false if the block table names a block outside the pool (nothing is read then).
-template <int REP>
-bool attend_one(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                const int64_t* table, int64_t len, int64_t g, float scale, const Shapes& s,
-                at::BFloat16* out, std::vector<float>& scores) {
-  const int64_t D = s.head_dim, bs = s.block_size;
-  const int64_t row_stride = s.num_kv_heads * D;  // elements between consecutive tokens of a block
-  const int64_t nblocks = (len + bs - 1) / bs;
-  for (int64_t b = 0; b < nblocks; ++b)
-    if (table[b] < 0 || table[b] >= s.num_blocks) return false;
-  scores.resize(static_cast<size_t>(REP * len));
-  const __m512 scale_v = _mm512_set1_ps(scale);
-
-  // 1. scores[h * len + t] = (q_h . k_t) * scale, 16 tokens of a block at a time (bf16 pair dot
-  //    products into fp32, reduced together); a block's rows past `len` are read but not kept.
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const at::BFloat16* kb = k_cache + table[b] * bs * row_stride + g * D;
-    const int64_t valid = std::min(bs, len - b * bs);
-    int64_t t0 = 0;
-    for (; t0 < valid && t0 + 16 <= bs; t0 += 16) {
-      const int64_t cnt = std::min<int64_t>(16, valid - t0);
-      _Pragma("GCC unroll 16") for (int h = 0; h < REP; ++h) {
-        const at::BFloat16* qh = q + (g * REP + h) * D;
-        __m512 acc[16];
-        _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 32) {
-          const __m512bh qv = load_bf16x32(qh + d, D - d);
-          _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], load_bf16x32(kb + (t0 + j) * row_stride + d, D - d), qv);
-        }
-        _mm512_mask_storeu_ps(scores.data() + h * len + b * bs + t0, (__mmask16)((1u << cnt) - 1),
-                              _mm512_mul_ps(reduce16(acc), scale_v));
-      }
-    }
-    for (int64_t t = t0; t < valid; ++t) {  // blocks of fewer than 16 rows
-      _Pragma("GCC unroll 16") for (int h = 0; h < REP; ++h) {
-        const at::BFloat16* qh = q + (g * REP + h) * D;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 32)
-          acc = _mm512_dpbf16_ps(acc, load_bf16x32(kb + t * row_stride + d, D - d), load_bf16x32(qh + d, D - d));
-        scores[h * len + b * bs + t] = _mm512_reduce_add_ps(acc) * scale;
-      }
-    }
+// r[i] (16 dwords of key i) -> r[c] (dword c of keys 0..15).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
-
-  // 2. softmax per head, in place; keep 1 / sum
-  float inv_sum[REP];
-  _Pragma("GCC unroll 16") for (int h = 0; h < REP; ++h) {
-    float* sc = scores.data() + h * len;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + t));
-    float m = _mm512_reduce_max_ps(mx);
-    for (; t < len; ++t) m = std::max(m, sc[t]);
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t < len; t += 16) {
-      const __mmask16 mask = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + t), mv));
-      _mm512_mask_storeu_ps(sc + t, mask, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
-    }
-    inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
-
-  // 3. out_h = sum_t p[h, t] v_t, 16 dims at a time for all REP heads
-  for (int64_t c = 0; c < D; c += 16) {
-    __m512 acc[REP];
-    _Pragma("GCC unroll 16") for (int h = 0; h < REP; ++h) acc[h] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const at::BFloat16* vb = v_cache + table[b] * bs * row_stride + g * D + c;
-      const int64_t valid = std::min(bs, len - b * bs);
-      const float* p = scores.data() + b * bs;
-      for (int64_t t = 0; t < valid; ++t) {
-        const __m512 vc = load16_bf16_as_fp32(vb + t * row_stride);
-        _Pragma("GCC unroll 16") for (int h = 0; h < REP; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * len + t]), vc, acc[h]);
-      }
-    }
-    _Pragma("GCC unroll 16") for (int h = 0; h < REP; ++h) {
-      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[h], _mm512_set1_ps(inv_sum[h])));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * REP + h) * D + c), (__m256i)r);
-    }
+  // u[4a + e] holds, in 128-bit lane L, element 4L + e of keys 4a..4a+3
+  for (int e = 0; e < 4; ++e) {
+    const __m512i w0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xdd);
+    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512i w3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xdd);
+    r[e] = _mm512_shuffle_i32x4(w0, w2, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(w0, w2, 0xdd);
+    r[4 + e] = _mm512_shuffle_i32x4(w1, w3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(w1, w3, 0xdd);
   }
-  return true;
 }
 
-using AttendFn = bool (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
-                          int64_t, float, const Shapes&, at::BFloat16*, std::vector<float>&);
+// The physical blocks a q-vector at `pos` reads for the tile at key0 (one, or 16 / block_size when
+// blocks are smaller than a tile): the tile's identity, compared before its K/V copies are reused.
+// Lanes past the row's last block read its last block again (finite data, masked out).
+inline int tile_blocks(const Ctx& c, const int64_t* table, int64_t pos, int64_t key0, int64_t* blocks) {
+  const int64_t bs = c.block_size, last = pos / bs;
+  const int n = bs >= kTile ? 1 : static_cast<int>(kTile / bs);
+  for (int i = 0; i < n; ++i) blocks[i] = table[std::min(key0 / bs + i, last)];
+  return n;
+}
 
-template <int... R>
-AttendFn pick(int rep, std::integer_sequence<int, R...>) {
-  AttendFn fns[] = {&attend_one<R + 1>...};
-  return fns[rep - 1];
+inline void tile_rows(const Ctx& c, const int64_t* blocks, int64_t key0, int64_t kv_head, int64_t* offs) {
+  const int64_t bs = c.block_size, row_stride = c.num_kv_heads * c.head_dim;
+  for (int i = 0; i < kTile; ++i) {
+    const int64_t kp = key0 + i;
+    const int64_t b = bs >= kTile ? blocks[0] : blocks[i / bs];
+    offs[i] = (b * bs + kp % bs) * row_stride + kv_head * c.head_dim;
+  }
+}
+
+void load_tile(const Ctx& c, const int64_t* offs, Scratch& s) {
+  const int64_t D = c.head_dim;
+  for (int64_t cc = 0; cc < D / 32; ++cc) {  // 16 dwords (32 dims) of each key at a time
+    __m512i r[16];
+    for (int i = 0; i < kTile; ++i) r[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(c.k + offs[i] + cc * 32));
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(reinterpret_cast<void*>(s.kt + (cc * 16 + i) * kTile), r[i]);
+  }
+  for (int p = 0; p < kTile / 2; ++p) {
+    const at::BFloat16* a = c.v + offs[2 * p];
+    const at::BFloat16* b = c.v + offs[2 * p + 1];
+    for (int64_t cc = 0; cc < D / 32; ++cc) {
+      const __m512i va = _mm512_loadu_si512(reinterpret_cast<const void*>(a + cc * 32));
+      const __m512i vb = _mm512_loadu_si512(reinterpret_cast<const void*>(b + cc * 32));
+      _mm512_store_si512(reinterpret_cast<void*>(s.vp + p * D + cc * 32), _mm512_unpacklo_epi16(va, vb));
+      _mm512_store_si512(reinterpret_cast<void*>(s.vp + p * D + cc * 32 + 16), _mm512_unpackhi_epi16(va, vb));
+    }
+  }
+}
+
+// scores of N q-vectors against the tile's 16 keys: one vdpbf16ps chain over head_dim each.
+template <int N>
+inline void tile_scores(const int32_t* kt, const pair_t* const* q, int64_t pairs, __m512* s) {
+  _Pragma("GCC unroll 8") for (int n = 0; n < N; ++n) s[n] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < pairs; ++c) {
+    const __m512bh k = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(kt + c * kTile));
+    _Pragma("GCC unroll 8") for (int n = 0; n < N; ++n) s[n] = _mm512_dpbf16_ps(s[n], k, (__m512bh)_mm512_set1_epi32(q[n][c]));
+  }
+}
+
+// acc (NV vectors of 16 dims) += sum over the tile's key pairs of P pair * V pair, in pair order.
+template <int NV>
+inline void accumulate_pv(float* acc, const int32_t* vp, const int32_t* p, int64_t D) {
+  __m512 a[NV];
+  _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + j * 16);
+  _Pragma("GCC unroll 8") for (int i = 0; i < kTile / 2; ++i) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(p[i]);
+    _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j)
+      a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(vp + i * D + j * 16)), w);
+  }
+  _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + j * 16, a[j]);
+}
+
+// One online-softmax step of row r over the tile at key0 (its scores in s, unscaled).
+inline void softmax_step(const Ctx& c, Scratch& st, int r, __m512 s, int64_t pos, int64_t key0) {
+  const int64_t D = c.head_dim;
+  const int64_t valid = pos - key0 + 1;  // >= 1
+  const __mmask16 mask = valid >= kTile ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+  const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, _mm512_mul_ps(s, _mm512_set1_ps(c.scale)));
+  const float m_old = st.m[r];
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(x));
+  float* acc = st.acc + r * D;
+  if (m_new > m_old) {
+    if (m_old != -INFINITY) {
+      const float corr = _mm_cvtss_f32(_mm512_castps512_ps128(exp_ps(_mm512_set1_ps(m_old - m_new))));
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), cv));
+      st.l[r] = st.l[r] * corr;
+    }
+    st.m[r] = m_new;
+  }
+  const __m512 e = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
+  st.l[r] = st.l[r] + hsum16(e);
+  alignas(32) int32_t p[kTile / 2];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(e));
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) accumulate_pv<4>(acc + d, st.vp + d, p, D);
+  if (d < D) accumulate_pv<2>(acc + d, st.vp + d, p, D);
+}
+
+template <int N>
+void scores_and_steps(const Ctx& c, Scratch& st, const QVec* qv, const int* rows, int64_t key0) {
+  const pair_t* q[N];
+  for (int n = 0; n < N; ++n)
+    q[n] = reinterpret_cast<const pair_t*>(c.q + qv[rows[n]].t * c.q_row_stride + qv[rows[n]].head * c.head_dim);
+  __m512 s[N];
+  tile_scores<N>(st.kt, q, c.head_dim / 2, s);
+  for (int n = 0; n < N; ++n) softmax_step(c, st, rows[n], s[n], qv[rows[n]].pos, key0);
+}
+
+void run_rows(const Ctx& c, Scratch& st, const QVec* qv, const int* rows, int n, int64_t key0) {
+  for (int i = 0; i < n; i += kChunk) {
+    switch (std::min(kChunk, n - i)) {
+      case 1: scores_and_steps<1>(c, st, qv, rows + i, key0); break;
+      case 2: scores_and_steps<2>(c, st, qv, rows + i, key0); break;
+      case 3: scores_and_steps<3>(c, st, qv, rows + i, key0); break;
+      case 4: scores_and_steps<4>(c, st, qv, rows + i, key0); break;
+      case 5: scores_and_steps<5>(c, st, qv, rows + i, key0); break;
+      case 6: scores_and_steps<6>(c, st, qv, rows + i, key0); break;
+      case 7: scores_and_steps<7>(c, st, qv, rows + i, key0); break;
+      default: scores_and_steps<8>(c, st, qv, rows + i, key0); break;
+    }
+  }
+}
+
+void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_head) {
+  const int64_t D = c.head_dim;
+  int64_t max_pos = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    st.m[r] = -INFINITY;
+    st.l[r] = 0.0f;
+    std::memset(st.acc + r * D, 0, D * sizeof(float));
+    max_pos = std::max(max_pos, qv[r].pos);
+  }
+  int rows[kMaxItemRows];
+  int64_t offs[kTile], cur[kTile], blocks[kTile];
+  for (int64_t key0 = 0; key0 <= max_pos; key0 += kTile) {
+    int ncur = 0, nrows = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      if (qv[r].pos < key0) continue;
+      const int nb = tile_blocks(c, c.tables + qv[r].seq * c.max_blocks, qv[r].pos, key0, blocks);
+      if (nb != ncur || !std::equal(blocks, blocks + nb, cur)) {  // another physical tile: other K/V
+        run_rows(c, st, qv, rows, nrows, key0);
+        nrows = 0;
+        ncur = nb;
+        std::copy(blocks, blocks + nb, cur);
+        tile_rows(c, cur, key0, kv_head, offs);
+        load_tile(c, offs, st);
+      }
+      rows[nrows++] = static_cast<int>(r);
+    }
+    run_rows(c, st, qv, rows, nrows, key0);
+  }
+  // out = acc / l, dims back from the unpack order (lo: dims 8L+0..3, hi: 8L+4..7 of each 32)
+  const __m512i idx_a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx_b = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / st.l[r]);
+    const float* acc = st.acc + r * D;
+    at::BFloat16* o = c.out + (qv[r].t * c.num_heads + qv[r].head) * D;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(acc + d), inv);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16), inv);
+      chatserve_simd::store16_fp32_as_bf16(o + d, _mm512_permutex2var_ps(lo, idx_a, hi));
+      chatserve_simd::store16_fp32_as_bf16(o + d + 16, _mm512_permutex2var_ps(lo, idx_b, hi));
+    }
+  }
 }
 
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
-// int64; context_lens [B] int64 (the new token included). Returns [B, H, D].
-torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D];
+// block_tables [S, max_blocks] int64; query_start [S + 1] int64 (sequence s owns rows
+// query_start[s] .. query_start[s + 1] - 1 of q, at positions start_pos[s], start_pos[s] + 1, ...;
+// their K/V already stored); groups: seq_order [S] lists the sequences group by group,
+// group_start [G + 1] where each group begins in it (a group's rows are processed together:
+// sequences sharing cached blocks read them once). Returns [T, H, D].
+torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos,
+                                   torch::Tensor seq_order, torch::Tensor group_start, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shape mismatch");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
-  q = q.contiguous();
+  for (const auto* t : {&block_tables, &query_start, &start_pos, &seq_order, &group_start})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "block tables, query_start, start_pos and groups must be int64");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(2), bs = k_cache.size(1), NB = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(bs % kTile == 0 || kTile % bs == 0, "block_size must divide 16 or be a multiple of 16");
+  if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
   block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
-  const Shapes s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), k_cache.size(0), block_tables.size(1)};
-  const int64_t B = q.size(0);
-  TORCH_CHECK(k_cache.size(3) == s.head_dim && s.head_dim % 16 == 0 && s.head_dim <= kMaxHeadDim, "head_dim");
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.num_heads / s.num_kv_heads <= kMaxRep, "heads");
-  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "batch size mismatch");
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= s.max_blocks * s.block_size, "context length outside the block table");
+  query_start = query_start.contiguous();
+  start_pos = start_pos.contiguous();
+  seq_order = seq_order.contiguous();
+  group_start = group_start.contiguous();
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [S, max_blocks]");
+  const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(query_start.numel() == S + 1 && start_pos.numel() == S && seq_order.numel() == S,
+              "query_start [S + 1], start_pos [S] and seq_order [S] must match the block tables");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* sp = start_pos.data_ptr<int64_t>();
+  const int64_t* tb = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[S] == T, "query_start must run from 0 to the number of rows");
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(qs[s + 1] >= qs[s] && sp[s] >= 0, "query_start must not decrease; start_pos must be >= 0");
+    if (qs[s + 1] == qs[s]) continue;
+    const int64_t last = sp[s] + qs[s + 1] - qs[s] - 1;
+    TORCH_CHECK(last < max_blocks * bs, "context length outside the block table");
+    for (int64_t b = 0; b <= last / bs; ++b)
+      TORCH_CHECK(tb[s * max_blocks + b] >= 0 && tb[s * max_blocks + b] < NB, "block table names a block outside the KV pool");
+  }
+  const int64_t G = group_start.numel() - 1;
+  const int64_t* order = seq_order.data_ptr<int64_t>();
+  const int64_t* gs = group_start.data_ptr<int64_t>();
+  TORCH_CHECK(G >= 0 && gs[0] == 0 && gs[G] == S, "group_start must run from 0 to the number of sequences");
+  std::vector<char> seen(S, 0);
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(order[i] >= 0 && order[i] < S && !seen[order[i]], "seq_order must list every sequence once");
+    seen[order[i]] = 1;
+  }
 
-  auto out = torch::empty_like(q);
-  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
-  const at::BFloat16* kp = k_cache.data_ptr<at::BFloat16>();
-  const at::BFloat16* vp = v_cache.data_ptr<at::BFloat16>();
-  const int64_t* tp = block_tables.data_ptr<int64_t>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const AttendFn attend = pick(static_cast<int>(s.num_heads / s.num_kv_heads), std::make_integer_sequence<int, kMaxRep>{});
-  std::atomic<bool> bad_block{false};
-  at::parallel_for(0, B * s.num_kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / s.num_kv_heads, g = i % s.num_kv_heads;
-      if (!attend(qp + b * s.num_heads * s.head_dim, kp, vp, tp + b * s.max_blocks, lens[b], g,
-                      static_cast<float>(scale), s, op + b * s.num_heads * s.head_dim, scores))
-        bad_block = true;
+  auto out = torch::empty({T, H, D}, q.options());
+  const int64_t rep = H / KVH;
+  // q-vectors per group (the same for every KV head: head = kv_head * rep + k)
+  std::vector<std::vector<QVec>> group_qv(G);
+  int64_t total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(gs[g + 1] >= gs[g], "group_start must not decrease");
+    for (int64_t i = gs[g]; i < gs[g + 1]; ++i) {
+      const int64_t s = order[i];
+      for (int64_t t = qs[s]; t < qs[s + 1]; ++t)
+        for (int64_t k = 0; k < rep; ++k) group_qv[g].push_back({t, k, s, sp[s] + t - qs[s]});
+    }
+    total += static_cast<int64_t>(group_qv[g].size());
+  }
+  if (total == 0) return out;
+  const int threads = std::max(1, at::get_num_threads());
+  // Item size: up to kMaxItemRows, smaller when that would leave threads idle (work per row is unchanged).
+  const int64_t want_items = 4 * threads;
+  const int64_t rows_per_item = std::clamp<int64_t>((total * KVH + want_items - 1) / want_items, 1, kMaxItemRows);
+  std::vector<Item> items;
+  for (int64_t g = 0; g < G; ++g) {
+    const auto& list = group_qv[g];
+    for (int64_t b = 0; b < static_cast<int64_t>(list.size()); b += rows_per_item) {
+      const int64_t e = std::min<int64_t>(b + rows_per_item, list.size());
+      double cost = 0, max_pos = 0;
+      for (int64_t i = b; i < e; ++i) {
+        cost += static_cast<double>(list[i].pos / kTile + 1);
+        max_pos = std::max<double>(max_pos, list[i].pos);
+      }
+      cost += 8.0 * (max_pos / kTile + 1);  // the tiles' K/V copies
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({b, e, h, g, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  const Ctx ctx{q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                out.data_ptr<at::BFloat16>(), tb, max_blocks, H, KVH, D, bs, static_cast<float>(scale)};
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto st = std::make_unique<Scratch>();
+    std::vector<QVec> local(kMaxItemRows);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const auto& list = group_qv[it.group];
+      const int64_t n = it.end - it.begin;
+      for (int64_t r = 0; r < n; ++r) {
+        local[r] = list[it.begin + r];
+        local[r].head += it.kv_head * rep;
+      }
+      run_item(ctx, *st, local.data(), n, it.kv_head);
     }
   });
-  TORCH_CHECK(!bad_block.load(), "block table names a block outside the KV pool");
   return out;
 }
 

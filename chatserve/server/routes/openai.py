@@ -24,6 +24,8 @@ from chatserve.server.generation import Generation
 from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.params import build_sampling_params, cap_max_tokens, check_limits
 from chatserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from chatserve.server.resumable import logged_stream, stream_policy
+from chatserve.server.runs import DisconnectPolicy
 from chatserve.server.streaming import collect_reply, sse_response, stream_events
 from chatserve.server.structured import check_constraint, request_constraint
 from chatserve.server.tool_replies import ToolChatFormat
@@ -64,6 +66,7 @@ async def chat_completions(request: Request) -> Response:
     request_id = request_id_from(request, ctx.settings)
     ctx.check_model(body.model)
     check_limits(ctx.settings, body)
+    policy = stream_policy(ctx, body)
     ctx.check_capacity()
     max_tokens = body.effective_max_tokens()
     prompt, plan = chat_prompt_and_plan(ctx, body)
@@ -78,16 +81,19 @@ async def chat_completions(request: Request) -> Response:
     cid, created, top = f"chatcmpl-{request_id}", int(time.time()), body.top_logprobs or 0
     fmt = ToolChatFormat(cid, created, ctx.model_name, top, plan) if plan is not None and plan.parses_calls \
         else ChatFormat(cid, created, ctx.model_name, top)
-    return await respond(request, ctx, body, request_id, gen, acc, fmt)
+    return await respond(request, ctx, body, request_id, gen, acc, fmt, policy)
 
 
 async def respond(request: Request, ctx: ServerContext, body: ChatCompletionRequest | CompletionRequest, request_id: str,
-                  gen: Generation, acc: Accumulator, fmt: ReplyFormat) -> Response:
-    """The reply to a chat or completions request: an SSE stream, or one JSON body once done."""
+                  gen: Generation, acc: Accumulator, fmt: ReplyFormat, policy: DisconnectPolicy | None) -> Response:
+    """The reply to a chat or completions request: an SSE stream (logged as a run under the reply's id
+    when `policy` is set: resumable), or one JSON body once done."""
     headers = {"X-Request-Id": request_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = stream_events(gen, acc, fmt, include_usage=include_usage)
+        if policy is not None:
+            return logged_stream(ctx, fmt.cid, events, policy=policy, gen=gen, headers=headers)
         return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
     await collect_reply(request, gen, acc)
     return JSONResponse(fmt.reply(acc, gen.usage), headers=headers)
@@ -111,6 +117,7 @@ async def completions(request: Request) -> Response:
     check_limits(ctx.settings, body)
     if len(body.prompts()) * body.n > ctx.settings.max_n:
         raise bad_request(f"prompts x n must be at most {ctx.settings.max_n}", param="prompt")
+    policy = stream_policy(ctx, body)
     ctx.check_capacity()
     prompts = completion_prompts(ctx, body)
     params = build_sampling_params(body, body.max_tokens, body.logprobs)
@@ -125,7 +132,7 @@ async def completions(request: Request) -> Response:
     texts = [_prompt_text(ctx, p) if body.echo else "" for p in prompts]
     echo = [texts[i // body.n] for i in range(len(acc.choices))]
     fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), ctx.model_name, body.logprobs or 0, echo)
-    return await respond(request, ctx, body, request_id, gen, acc, fmt)
+    return await respond(request, ctx, body, request_id, gen, acc, fmt, policy)
 
 
 def _prompt_text(ctx: ServerContext, prompt: ProcessedPrompt) -> str:

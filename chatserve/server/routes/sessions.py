@@ -34,6 +34,7 @@ from chatserve.server.protocol import (
     SessionRegenerateRequest,
     UpdateSessionRequest,
 )
+from chatserve.server.resumable import logged_stream, stream_policy
 from chatserve.server.session_cache import report_for_api, turn_kv
 from chatserve.server.session_prompts import first_turn_ids, next_turn_ids
 from chatserve.server.session_tools import first_tool_turn_ids, new_messages, next_tool_turn_ids, stored_user_text
@@ -187,6 +188,7 @@ async def _run_turn(request: Request, body: SessionMessageRequest | SessionRegen
     if body.n != 1:
         raise bad_request("a session turn has exactly one reply; n must be 1", param="n")
     check_limits(ctx.settings, body)
+    policy = stream_policy(ctx, body)
     ctx.check_capacity()
     with store_errors():
         session = await store.get(sid)
@@ -243,6 +245,8 @@ async def _run_turn(request: Request, body: SessionMessageRequest | SessionRegen
                     raise
 
         events = stream_events(gen, acc, fmt, include_usage=include_usage, on_end=on_end)
+        if policy is not None:  # resumable: the turn is stored when the run ends, whoever reads it
+            return logged_stream(ctx, cid, events, policy=policy, gen=gen, headers=headers)
         return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
     try:
         await collect_reply(request, gen, acc)

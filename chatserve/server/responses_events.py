@@ -1,0 +1,132 @@
+"""A reply's text as Responses output items and OpenAI's typed stream events, built together.
+
+One `OutputBuilder` per response: the reply's deltas go in (through the request's tool-call parser
+when tools may be called, the same `ToolCallStreamParser` the chat route streams with), and out
+come the events (`response.output_item.added`, `response.content_part.added`,
+`response.output_text.delta`, `response.function_call_arguments.delta` / `.done`, ...) and, at the
+end, the finished `output` list. The non-streaming body is that same list, so a streamed and a
+whole reply cannot differ. Field names are exactly the openai SDK's (openai/types/responses/),
+whose `client.responses.stream` checks every event against what came before it.
+
+Events leave without `sequence_number`; `Sequencer` numbers them once, where they are emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatserve.server.tool_request import ToolPlan
+from chatserve.sessions.response_store import new_item_id
+from chatserve.tools import ToolCall, ToolCallStreamParser
+from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent
+
+
+class Sequencer:
+    """Numbers a response's events from 0 (`sequence_number`, also the SSE `id:` a resume starts after)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
+
+    def number(self, event: dict[str, Any]) -> dict[str, Any]:
+        event["sequence_number"] = self.next
+        self.next += 1
+        return event
+
+
+class OutputBuilder:
+    def __init__(self, plan: ToolPlan | None) -> None:
+        self.output: list[dict[str, Any]] = []
+        self._parser: ToolCallStreamParser | None = plan.parser() if plan is not None and plan.parses_calls else None
+        self._message: dict[str, Any] | None = None  # the open message item, if any
+        self._text: list[str] = []
+
+    @property
+    def called_tools(self) -> bool:
+        return any(item["type"] == "function_call" for item in self.output)
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        if self._parser is None:
+            return self._text_events(text)
+        return self._events(self._parser.feed(text))
+
+    def finish(self, item_status: str = "completed") -> list[dict[str, Any]]:
+        """Flush the parser and close what is open; `item_status` "incomplete" for a cut-off reply."""
+        events = self._events(self._parser.finish()) if self._parser is not None else []
+        return events + self._close_message(item_status)
+
+    # ---- items ----------------------------------------------------------------------------------
+    def _events(self, parsed: list[StreamEvent]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in parsed:
+            if isinstance(e, TextEvent):
+                out += self._text_events(e.text)
+            elif isinstance(e, CallEvent):
+                out += self._call_events(e.call)
+        return out
+
+    def _text_events(self, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self._message is None:
+            item = {"id": new_item_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                    "content": []}
+            self._message = item
+            self._text = []
+            self.output.append(item)
+            index = len(self.output) - 1
+            out.append({"type": "response.output_item.added", "output_index": index, "item": _copy(item)})
+            out.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "part": _text_part("")})
+        self._text.append(text)
+        out.append({"type": "response.output_text.delta", "item_id": self._message["id"],
+                    "output_index": len(self.output) - 1, "content_index": 0, "delta": text, "logprobs": []})
+        return out
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        item = self._message
+        if item is None:
+            return []
+        self._message = None
+        index = self.output.index(item)
+        text = "".join(self._text)
+        part = _text_part(text)
+        item["content"] = [part]
+        item["status"] = status
+        return [
+            {"type": "response.output_text.done", "item_id": item["id"], "output_index": index, "content_index": 0,
+             "text": text, "logprobs": []},
+            {"type": "response.content_part.done", "item_id": item["id"], "output_index": index, "content_index": 0,
+             "part": _copy(part)},
+            {"type": "response.output_item.done", "output_index": index, "item": _copy(item)},
+        ]
+
+    def _call_events(self, call: ToolCall) -> list[dict[str, Any]]:
+        out = self._close_message("completed")
+        item = {"id": new_item_id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
+                "arguments": "", "status": "in_progress"}
+        self.output.append(item)
+        index = len(self.output) - 1
+        out.append({"type": "response.output_item.added", "output_index": index, "item": _copy(item)})
+        out.append({"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
+                    "delta": call.arguments})
+        item["arguments"] = call.arguments
+        item["status"] = "completed"
+        out.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+                    "name": call.name, "arguments": call.arguments})
+        out.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
+        return out
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of an item as it is now (it changes as the reply goes on)."""
+    return {k: ([dict(p) for p in v] if k == "content" else v) for k, v in item.items()}
+
+
+def output_text(output: list[dict[str, Any]]) -> str:
+    """All the text of a response's output (its messages' output_text parts), in order."""
+    return "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])

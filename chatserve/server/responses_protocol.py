@@ -1,0 +1,367 @@
+"""The body of `POST /v1/responses`, validated before any work, and its translation into the chat side's types.
+
+The same rules as every other body (protocol.py's `StrictModel`: strict types, null meaning the
+default, refused fields refused), plus one more: a field OpenAI's Responses API has and this
+server does not serve is refused by name, and so is any field neither OpenAI nor we define
+(OpenAI answers those with a 400 too), because a Responses client that sends one expects it to act.
+
+Nothing is served twice: tools, tool_choice and text.format become the chat request's
+`ToolDefinition`s, tool choice and `ResponseFormat` (`chat_tools`, `chat_tool_choice`,
+`sampling_fields`), and from there the chat route's own planning, grammar and sampling code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+from chatserve.server.protocol import (
+    FunctionDefinition,
+    FunctionName,
+    JSONSchemaSpec,
+    NamedFunction,
+    NamedToolChoice,
+    Penalty,
+    Refusal,
+    ResponseFormat,
+    SamplingFields,
+    Seed,
+    StrictModel,
+    Temperature,
+    ToolDefinition,
+    TopK,
+    TopP,
+    _one_of,
+    _unset,
+    check_tools,
+    field_error,
+)
+
+_FORBID = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+_LENIENT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+TOOL_TYPES = ("function",)
+
+
+# ---- input items --------------------------------------------------------------------------------
+class InputText(StrictModel):
+    model_config = _LENIENT
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class RefusalPart(StrictModel):
+    model_config = _LENIENT
+    type: Literal["refusal"]
+    refusal: str
+
+
+def _part_kind(v: Any) -> str | None:
+    return v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+
+
+ContentPart = Annotated[
+    Annotated[InputText, Tag("input_text")] | Annotated[InputText, Tag("output_text")] |
+    Annotated[InputText, Tag("text")] | Annotated[RefusalPart, Tag("refusal")],
+    Discriminator(_part_kind),
+]
+
+_NON_TEXT = {"input_image": "image", "input_file": "file", "input_audio": "audio", "image_url": "image"}
+
+
+def _check_parts(content: Any) -> Any:
+    """Text parts only; any other kind is refused by name (this model reads text)."""
+    if not isinstance(content, list):
+        return content
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise field_error(str(i), 'each content part must be an object with a "type" ("input_text" or "output_text")')
+        if kind not in ("input_text", "output_text", "text", "refusal"):
+            medium = _NON_TEXT.get(kind)
+            what = f"{medium} input is" if medium else "content parts of this type are"
+            raise field_error(str(i), f"content part of type {kind[:40]!r}: {what} not supported by this model, which "
+                                      "reads text only", "unsupported_content")
+    return content
+
+
+class MessageItem(StrictModel):
+    """A message: the user's, a system/developer instruction, or an earlier assistant reply sent back."""
+
+    model_config = _LENIENT  # clients send back output items whole (status, annotations, logprobs, ...)
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        return _check_parts(value)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text if isinstance(p, InputText) else p.refusal for p in self.content)
+
+
+class FunctionCallItem(StrictModel):
+    """A call the model made earlier (sent back with its output)."""
+
+    model_config = _LENIENT
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1)]
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(StrictModel):
+    """A tool's result, answering a call by its call_id."""
+
+    model_config = _LENIENT
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1)]
+    output: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        return _check_parts(value)
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(p.text if isinstance(p, InputText) else p.refusal for p in self.output)
+
+
+def _item_kind(v: Any) -> str | None:
+    if isinstance(v, dict):
+        return v.get("type", "message")  # an EasyInputMessage has no "type"
+    return getattr(v, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] |
+    Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+# A string, or items: told apart up front, so an error names the item at fault, not the string it is not.
+InputField = Annotated[
+    Annotated[Annotated[str, Field(min_length=1)], Tag("text")] |
+    Annotated[Annotated[list[InputItem], Field(min_length=1)], Tag("items")],
+    Discriminator(lambda v: "text" if isinstance(v, str) else "items"),
+]
+
+
+# ---- tools, tool_choice, text.format --------------------------------------------------------------
+class FunctionTool(StrictModel):
+    model_config = _FORBID
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(StrictModel):
+    model_config = _FORBID
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(StrictModel):
+    """`text.format`: plain text, any JSON object, or JSON matching a schema (constrained decoding)."""
+
+    model_config = _FORBID
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(max_length=64)] | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise field_error("schema", 'text.format of type "json_schema" needs a schema')
+        if self.type != "json_schema" and (self.json_schema is not None or self.name is not None):
+            raise field_error("schema", f'name and schema belong to text.format of type "json_schema", not {self.type!r}')
+        return self
+
+
+class TextConfig(StrictModel):
+    refused: ClassVar[Mapping[str, Refusal]] = {"verbosity": (_one_of("medium"), "text.verbosity")}
+    model_config = _FORBID
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class StreamOptions(StrictModel):
+    model_config = _FORBID
+    include_obfuscation: bool = False  # padding against length side channels: we send none either way
+
+
+# Responses fields that would change the reply and are not served (unless neutral).
+REFUSED_RESPONSES: Mapping[str, Refusal] = {
+    "include": (_unset, "include (no reasoning, search or logprob extras are produced)"),
+    "reasoning": (lambda v: _unset(v) or v == {"effort": None} or v == {"effort": None, "summary": None},
+                  "reasoning (this model does not reason)"),
+    "prompt": (_unset, "prompt templates"),
+    "conversation": (_unset, "conversations (chain responses with previous_response_id)"),
+    "max_tool_calls": (_unset, "max_tool_calls"),
+    "top_logprobs": (_one_of(0), "top_logprobs"),
+    "context_management": (_unset, "context_management"),
+    "service_tier": (_one_of("auto", "default"), "service tiers other than auto/default"),
+    "prompt_cache_options": (_unset, "prompt_cache_options"),
+}
+
+
+class ResponsesRequest(StrictModel):
+    """`POST /v1/responses`."""
+
+    refused: ClassVar[Mapping[str, Refusal]] = REFUSED_RESPONSES
+    model_config = _FORBID
+
+    model: str | None = None
+    input: InputField
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = None
+    truncation: Literal["disabled", "auto"] = "disabled"
+    user: str | None = None  # stored and echoed; no effect on the reply
+    safety_identifier: str | None = None  # idem
+    prompt_cache_key: str | None = None  # a routing hint for OpenAI; our prefix cache needs none
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # idem (leases: see the README)
+    # the include/reasoning/... fields of REFUSED_RESPONSES: declared so that forbid does not pre-empt
+    # the refusal's clearer message; only their neutral values ever get here
+    include: list[Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    prompt: Any = None
+    conversation: Any = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    context_management: Any = None
+    service_tier: str | None = None
+    prompt_cache_options: Any = None
+    # vLLM's sampling extras, as its Responses endpoint takes them
+    top_k: TopK | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    ignore_eos: bool = False
+    # chatserve's extension (as on Chat Completions): what a lost connection means, "abort" or "detach"
+    # with a lease; background responses detach by default (see routes/responses.py)
+    disconnect_policy: Any = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_item_types(cls, value: Any) -> Any:
+        """An item type we cannot take (reasoning, web search calls, item_reference, ...) by its name."""
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise field_error(str(i), "each input item must be an object")
+                kind = item.get("type", "message")
+                if kind not in INPUT_ITEM_TYPES:
+                    raise field_error(f"{i}.type", f"input items of type {str(kind)[:40]!r} are not supported; "
+                                                   f"send {', '.join(INPUT_ITEM_TYPES)}", "unsupported_field")
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for i, tool in enumerate(value):
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                if kind != "function":
+                    raise field_error(f"{i}.type", f"tools of type {str(kind)[:40]!r} are not supported; only function "
+                                                   "tools are (hosted tools need OpenAI's servers)", "unsupported_field")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise field_error("type", f"tool_choice of type {str(value.get('type'))[:40]!r} is not supported; send "
+                                      '"none", "auto", "required" or {"type": "function", "name": ...}', "unsupported_field")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ResponsesRequest:
+        if self.truncation != "disabled":
+            raise field_error("truncation", 'truncation "auto" is not supported: an input over the context is a 400 '
+                                            '(send "disabled" or leave it out)', "unsupported_field")
+        if self.metadata is not None and len(self.metadata) > 16:
+            raise field_error("metadata", f"metadata has at most 16 keys, got {len(self.metadata)}")
+        if self.background and not self.store:
+            raise field_error("background", "background responses must be stored: leave store true")
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "stream_options is only allowed when stream is true")
+        check_tools(self.chat_tools(), self.chat_tool_choice())
+        return self
+
+    # ---- the chat side's view of this request ----------------------------------------------------
+    def chat_tools(self) -> list[ToolDefinition] | None:
+        if not self.tools:
+            return None
+        return [ToolDefinition(type="function", function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in self.tools]
+
+    def chat_tool_choice(self) -> Any:
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            return NamedToolChoice(type="function", function=NamedFunction(name=self.tool_choice.name))
+        return self.tool_choice
+
+    def response_format(self) -> ResponseFormat | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ResponseFormat(type="json_object")
+        assert fmt.json_schema is not None
+        spec = JSONSchemaSpec(name=fmt.name or "response", description=fmt.description, json_schema=fmt.json_schema,
+                              strict=fmt.strict)
+        return ResponseFormat(type="json_schema", json_schema=spec)
+
+    def sampling_fields(self) -> SamplingFields:
+        """The chat/completions sampling fields this request means (what build_sampling_params and
+        request_constraint read); validated already, so constructed without a second validation."""
+        return SamplingFields.model_construct(
+            model=self.model, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            ignore_eos=self.ignore_eos, response_format=self.response_format(),
+        )
+
+    def text_config(self) -> dict[str, Any]:
+        """The response object's `text`: the format as sent (text by default)."""
+        fmt = self.text.format if self.text is not None and self.text.format is not None else None
+        if fmt is None:
+            return {"format": {"type": "text"}}
+        out: dict[str, Any] = {"type": fmt.type}
+        if fmt.type == "json_schema":
+            out.update(name=fmt.name or "response", schema=fmt.json_schema, description=fmt.description,
+                       strict=fmt.strict)
+        return {"format": out}

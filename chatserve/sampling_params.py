@@ -18,6 +18,7 @@ OutputKind = Literal["cumulative", "delta", "final_only"]
 # Bounds that OpenAI documents; vLLM uses the same ones.
 _MAX_LOGPROBS = 20
 _PENALTY_RANGE = 2.0
+_REPETITION_PENALTY_MIN, _REPETITION_PENALTY_MAX = 1e-3, 1e3
 _TOP_K_MAX = 2**31 - 1
 # torch.Generator.manual_seed accepts any value that fits in 64 bits, signed or not.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -209,8 +210,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
         self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        # Logits are divided or multiplied by it in float32: a tiny value rounds to 0 there (and a
+        # masked -inf logit times 0 is NaN), a huge one overflows. The range keeps every logit finite.
+        if not _REPETITION_PENALTY_MIN <= self.repetition_penalty <= _REPETITION_PENALTY_MAX:
+            raise ValueError(f"repetition_penalty must be in [{_REPETITION_PENALTY_MIN}, {_REPETITION_PENALTY_MAX}] "
+                             f"(1 disables it), got {self.repetition_penalty}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _as_float(name, getattr(self, name))

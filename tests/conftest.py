@@ -7,6 +7,15 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The converted GGUF metadata (models/loader.py gguf_metadata_folder) of this run only, shared by
+# every process the tests start: the first load converts, later ones (and servers) read it.
+if "CHATSERVE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["CHATSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="chatserve-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["CHATSERVE_CACHE_DIR"], ignore_errors=True)
 
 from pathlib import Path  # noqa: E402
 
@@ -24,6 +33,24 @@ def pytest_sessionstart(session) -> None:
 
     if cpu_has_avx512_bf16():
         load_cpu_kernels()
+
+
+@pytest.fixture(scope="session")
+def shared_fp32_server():
+    """One live `chatserve serve` (default model, float32, block size 16, API key) for the whole session.
+
+    A server start is the most expensive thing a live test does (a model load: over a minute on a
+    busy 2-core box, most of it transformers parsing the GGUF metadata), so modules whose tests need
+    no flag of their own share this one instead of starting their own: tests/test_client_compat_tools.py
+    and the HTTP burst of tests/test_prefix_burst.py. Tests on it must leave it idle (no running
+    request, no locked block) and must not depend on what earlier modules left in its prefix cache.
+    """
+    from .helpers.server import SHARED_FP32_API_KEY, start_server
+
+    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "20", "--dtype", "float32", "--block-size", "16",
+                       api_key=SHARED_FP32_API_KEY)
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from .helpers.server import ServerProcess, start_server
+from .helpers.server import SHARED_FP32_API_KEY as API_KEY
+from .helpers.server import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
-API_KEY = "tools-key"
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
                   "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
@@ -45,10 +45,9 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "16", "--dtype", "float32", api_key=API_KEY)
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def server(shared_fp32_server: ServerProcess) -> ServerProcess:
+    """The session's shared float32 server (tests/conftest.py): a model load fewer than a server of our own."""
+    return shared_fp32_server
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +110,7 @@ def test_openai_forced_calls_validate_and_stream_the_same(client, tool_choice):
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                      {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]
     follow = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], tool_choice="none",
-                                            temperature=0, max_tokens=16)
+                                            temperature=0, max_tokens=6)  # a few tokens show it is text
     assert follow.choices[0].finish_reason in ("stop", "length")
     assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
 
@@ -122,7 +121,7 @@ def test_openai_parse_with_a_pydantic_model_20_of_20(client):
             model=MODEL, messages=[{"role": "user", "content": f"Describe the weather in a European city, day {i}."}],
             response_format=Weather, temperature=0.8, seed=i, max_tokens=64)
 
-    with ThreadPoolExecutor(10) as pool:
+    with ThreadPoolExecutor(20) as pool:  # all 20 in one batch (the server's --max-num-seqs is 20)
         replies = list(pool.map(ask, range(20)))
     parsed = [r.choices[0].message.parsed for r in replies]
     assert all(isinstance(p, Weather) for p in parsed), [r.choices[0].message.content for r in replies]

@@ -25,8 +25,17 @@ def _i64(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+def paged(kernels, k_cache, v_cache):
+    """Plain [blocks, block_size, KVH, D] caches rewritten in the kernel's layout (store_kv_paged of every slot)."""
+    n, kvh, d = k_cache.shape[0] * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    k_out, v_out = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    kernels.store_kv_paged(k_cache.reshape(n, kvh, d), v_cache.reshape(n, kvh, d), k_out, v_out, torch.arange(n))
+    return k_out, v_out
+
+
 def attend(kernels, q, k_cache, v_cache, tables, seqs, groups=None, scale=0.125):
-    """seqs: (start position, new tokens) per sequence, their rows packed in order in q."""
+    """seqs: (start position, new tokens) per sequence, their rows packed in order in q; plain caches."""
+    k_cache, v_cache = paged(kernels, k_cache, v_cache)
     query_start = [0]
     for _, n in seqs:
         query_start.append(query_start[-1] + n)
@@ -70,6 +79,7 @@ SEQS = [(0, 1), (15, 1), (16, 1), (0, 37), (40, 20), (100, 1), (3, 60), (0, 17),
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16), (4, 4, 32, 16), (8, 2, 128, 32), (16, 1, 64, 8), (6, 2, 96, 64), (2, 1, 256, 16), (3, 3, 64, 128),
+    (6, 2, 32, 4),
 ])
 def test_paged_attention_matches_reference_and_every_row_alone(kernels, heads, kv_heads, head_dim, block_size):
     """GQA of 1-16 query heads per KV head, head_dim 32-256, blocks smaller and larger than the
@@ -149,6 +159,23 @@ def test_backend_stores_kv_then_attends_with_a_row_independent_of_the_batch(kern
     slots = slots_of(tb, 200, 201, block) + slots_of(ta, 70, 71, block) + slots_of(tc, 0, 150, block)
     mixed = step(layout, slots, torch.cat([qb, qa, qc]), torch.cat([kb, ka, kc]), torch.cat([vb, va, vc]))
     assert torch.equal(mixed[1:2], alone)
+
+
+def test_store_kv_paged_reads_strided_rows_skips_and_refuses_bad_slots(kernels):
+    """K/V views out of a fused projection, -1 slots skipped: the slots written are exactly the
+    ones a plain-layout store writes, once both are read back through attention."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, (9 + 3 + 3) * 64, generator=gen).to(torch.bfloat16)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(7, 3, 64), qkv[:, 12 * 64 :].view(7, 3, 64)
+    slots = torch.tensor([0, 79, -1, 17, 40, -1, 33])
+    plain_k, plain_v = torch.zeros(5, 16, 3, 64, dtype=torch.bfloat16), torch.zeros(5, 16, 3, 64, dtype=torch.bfloat16)
+    kernels.store_kv(k, v, plain_k, plain_v, slots)
+    k_cache, v_cache = torch.zeros_like(plain_k), torch.zeros_like(plain_v)
+    kernels.store_kv_paged(k, v, k_cache, v_cache, slots)
+    assert torch.equal(paged(kernels, plain_k, plain_v)[0], k_cache) and torch.equal(paged(kernels, plain_k, plain_v)[1], v_cache)
+    for bad in (80, -2):
+        with pytest.raises(RuntimeError, match="outside the KV pool"):
+            kernels.store_kv_paged(k[:1], v[:1], k_cache, v_cache, torch.tensor([bad]))
 
 
 def test_paged_attention_refuses_bad_input(kernels):

@@ -3,9 +3,11 @@
 What does not depend on a model: request validation (every field's 400 names it), the typed
 events `client.responses.stream` accepts, output items for text and for function calls, the
 stored response / input items / token ids, a `previous_response_id` prompt that starts with the
-stored tokens exactly, DELETE removing everything, and cancel of a running and a finished
-response. The live-model tests (cache hits over a chain, restarts, the Agents SDK, background
-resume) are in tests/test_responses_live.py.
+stored tokens exactly, DELETE removing everything, cancel of a running and a finished response,
+replay of a background stream from any cursor, a detached run nobody reads stopped at its lease,
+and pydantic-ai's OpenAIResponsesModel answering and calling a tool. The live-model tests (cache
+hits over a chain, restarts, the Agents SDK, background resume, Redis faults) are in
+tests/test_responses_live.py.
 """
 
 from __future__ import annotations
@@ -228,3 +230,47 @@ async def test_background_stream_replays_from_any_cursor(smollm_tokenizer) -> No
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
         resp = await http.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "x"})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "starting_after"
+
+
+@pytest.mark.anyio
+async def test_a_background_run_nobody_reads_is_stopped_at_its_lease(smollm_tokenizer) -> None:
+    engine = FakeEngine(smollm_tokenizer, reply="a b c d e f", max_model_len=1024, hold=True)
+    async with sdk(engine) as (client, _, _store):
+        resp = await client.responses.create(model="fake-model", input="go", background=True,
+                                             extra_body={"disconnect_policy": {"mode": "detach", "lease_seconds": 0.2}})
+        for _ in range(300):
+            got = await client.responses.retrieve(resp.id)
+            if got.status in ("failed", "completed", "cancelled"):
+                break
+            await asyncio.sleep(0.02)
+        assert got.status == "failed" and "lease_expired" in got.error.message, got
+        (req,) = engine.requests
+        assert req.finished  # the engine request was aborted: its blocks are free
+
+
+@pytest.mark.anyio
+async def test_pydantic_ai_responses_model_answers_and_calls_a_tool(smollm_tokenizer) -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    engine = FakeEngine(smollm_tokenizer, reply="Paris.", max_model_len=1024)
+    async with sdk(engine) as (client, _, _store):
+        agent = Agent(OpenAIResponsesModel("fake-model", provider=OpenAIProvider(openai_client=client)))
+        result = await agent.run("Capital of France?", model_settings={"max_tokens": 8})
+        assert result.output == "Paris."
+    calls = FakeEngine(smollm_tokenizer, reply=CALL_TEXT, max_model_len=1024)
+    async with sdk(calls) as (client, _, _store):
+        seen: list[str] = []
+        agent = Agent(OpenAIResponsesModel("fake-model", provider=OpenAIProvider(openai_client=client)))
+
+        @agent.tool_plain
+        def get_weather(city: str) -> str:
+            """The weather in a city."""
+            seen.append(city)
+            calls.reply_ids = smollm_tokenizer.encode("Sunny.", add_special_tokens=False)  # then the answer
+            return "Sunny, 21C"
+
+        result = await agent.run("Weather in Paris?")
+        assert seen == ["Paris"] and result.output == "Sunny."
+        assert "Sunny, 21C" in smollm_tokenizer.decode(calls.requests[-1].prompt.prompt_token_ids)

@@ -25,6 +25,8 @@ INVALID: list[tuple[dict[str, object], str]] = [
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # 0 in float32: -inf * 0 = NaN logits
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"presence_penalty": -2.5}, "presence_penalty"),
     ({"frequency_penalty": 3}, "frequency_penalty"),

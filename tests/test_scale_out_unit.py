@@ -92,6 +92,10 @@ async def test_session_routes_carry_and_check_x_session_id(smollm_tokenizer) -> 
         assert_error(wrong, 400, param="X-Session-Id", code="session_id_mismatch")
         missing = await client.get("/v1/sessions/does-not-exist")
         assert missing.status_code == 404 and missing.headers["x-session-id"] == "does-not-exist"
+        # A path that decodes to a control character is a 404 without the echo (a "\r" in a header
+        # would make the HTTP server drop the connection instead of answering).
+        hostile = await client.get("/v1/sessions/sess%0D")
+        assert hostile.status_code == 404 and "x-session-id" not in hostile.headers
         after = await client.get(f"/v1/sessions/{sid}")
     assert after.json()["num_turns"] == 1  # the refused turn never ran
 

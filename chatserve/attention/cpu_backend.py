@@ -4,6 +4,9 @@
 one C++ kernel (csrc/cpu_attention.cpp) that walks the row's keys in 16-key tiles in order with an
 online softmax: a row gets the same bits whatever else is in the step and wherever its keys come
 from, so greedy output does not change with batching, the prefix cache or chunk sizes (issue 20).
+It keeps K and V in the kernel's own layout inside each block (K paired by dim, V by key: what the
+bf16 dot-product instructions read, with no transpose per step); the engine only ever copies and
+zeroes whole blocks, so the layout is this backend's business alone.
 Sequences whose block tables start with the same cached blocks (a shared system prompt) form one
 group: the kernel reads each shared tile once for all of them (what cascade attention was for),
 and because each row's own arithmetic is unchanged, grouping costs no bits.
@@ -58,7 +61,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     description = "C++ K/V store + C++ paged attention (prefill, extend, decode: one reduction order per row)"
 
     def __init__(self, kernels: CpuKernels, min_cascade_blocks: int = MIN_CASCADE_BLOCKS) -> None:
-        self._store_kv = kernels.store_kv
+        self._store_kv = kernels.store_kv_paged
         self._attend = kernels.paged_attention
         self.min_cascade_blocks = min_cascade_blocks
 

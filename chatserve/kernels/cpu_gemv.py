@@ -72,9 +72,12 @@ class PackedGemm:
 class CpuKernels:
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # x[M, K] . w[N, K]^T (+ bias)
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # bf16 rows [M, D], weight [D], eps
-    # prefill, extend and decode in one kernel (csrc/cpu_attention.cpp): q [T, H, D], k/v cache, block tables
-    # [S, nb], query_start [S + 1], start_pos [S], seq_order [S], group_start [G + 1] (all int64), scale -> [T, H, D]
+    # prefill, extend and decode in one kernel (csrc/cpu_attention.cpp): q [T, H, D], k/v cache (as
+    # store_kv_paged writes them), block tables [S, nb], query_start [S + 1], start_pos [S], seq_order [S],
+    # group_start [G + 1] (all int64), scale -> [T, H, D]
     paged_attention: Callable[..., torch.Tensor]
+    # the same as store_kv, into paged_attention's layout within each block (K pairs by dim, V pairs by key)
+    store_kv_paged: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     # k, v [T, KVH, D], k/v cache [blocks, block_size, KVH, D], slot mapping [T] int64 (-1: skip)
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
@@ -128,9 +131,10 @@ def load_cpu_kernels(amx: bool = True) -> CpuKernels | None:
             if not torch.allclose(fn(x, w, b).float(), ref, atol=0.05 * float(ref.abs().max()) + 0.05):
                 logger.warning("bf16 gemv kernel gave wrong results; using F.linear")
                 return None
-        _verify_paged_attention(ext.paged_attention_bf16, ext.store_kv_bf16)
+        _verify_paged_attention(ext.paged_attention_bf16, ext.store_kv_paged_bf16, ext.store_kv_bf16)
         _verify_fused(ext.silu_mul_bf16, ext.rope_inplace_bf16, ext.add_rms_norm_bf16)
         return CpuKernels(gemv=fn, rms_norm=ext.rms_norm_bf16, paged_attention=ext.paged_attention_bf16,
+                          store_kv_paged=ext.store_kv_paged_bf16,
                           store_kv=ext.store_kv_bf16, silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
                           add_rms_norm=ext.add_rms_norm_bf16, huge_page_zeros=ext.huge_page_zeros,
                           release_free_memory=ext.release_free_memory, gemm=_load_gemm(ext),
@@ -261,9 +265,10 @@ def _verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], tor
         raise RuntimeError("rms_norm kernel gave wrong results")
 
 
-def _verify_paged_attention(paged_attention: Callable[..., torch.Tensor], store_kv: Callable[..., None]) -> None:
-    """Decodes and chunks over cached keys in one call against the torch reference, and one row
-    alone giving the same bits as in the batch (what the kernel is for)."""
+def _verify_paged_attention(paged_attention: Callable[..., torch.Tensor], store_kv_paged: Callable[..., None],
+                            store_kv: Callable[..., None]) -> None:
+    """Decodes and chunks over cached keys in one call against the torch reference (the caches
+    written in the kernel's layout), and one row alone giving the same bits as in the batch."""
     from chatserve.kernels.reference import paged_extend_attention, store_kv_cache
 
     gen = torch.Generator().manual_seed(0)
@@ -274,8 +279,10 @@ def _verify_paged_attention(paged_attention: Callable[..., torch.Tensor], store_
     query_start, start_pos = torch.tensor([0, 1, 2, 8]), torch.tensor([8, 0, 13])  # two decodes, a 6-token chunk
     order, groups = torch.arange(3), torch.tensor([0, 1, 3])
     ref = paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), tables, query_start, torch.tensor([9, 1, 19]), 0.2)
-    out = paged_attention(q, k_cache, v_cache, tables, query_start, start_pos, order, groups, 0.2)
-    alone = paged_attention(q[5:6], k_cache, v_cache, tables[2:], torch.tensor([0, 1]), torch.tensor([16]),
+    k_paged, v_paged = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    store_kv_paged(k_cache.view(24, 2, 32), v_cache.view(24, 2, 32), k_paged, v_paged, torch.arange(24))
+    out = paged_attention(q, k_paged, v_paged, tables, query_start, start_pos, order, groups, 0.2)
+    alone = paged_attention(q[5:6], k_paged, v_paged, tables[2:], torch.tensor([0, 1]), torch.tensor([16]),
                             torch.tensor([0]), torch.tensor([0, 1]), 0.2)
     if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) or not torch.equal(alone, out[5:6]):
         raise RuntimeError("paged attention kernel gave wrong results")

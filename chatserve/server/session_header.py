@@ -20,6 +20,8 @@ from chatserve.server.errors import error_body
 
 _SESSION_PATH = re.compile(r"^/v1/sessions/([^/]+)")
 HEADER = b"x-session-id"
+# What can be echoed as a header value: visible ASCII (a path segment may decode to any byte).
+_HEADER_SAFE = re.compile(r"^[\x21-\x7e]{1,256}$")
 
 
 class SessionHeader:
@@ -43,10 +45,14 @@ class SessionHeader:
             await response(scope, receive, send)
             return
 
+        valid = _HEADER_SAFE.match(sid) is not None
+
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", ()))
-                if not any(k.lower() == HEADER for k, _ in headers):
+                # An id with control characters ("%0D" in the path) is not echoed: such a header
+                # would break the response itself. No session has such an id anyway (a 404).
+                if valid and not any(k.lower() == HEADER for k, _ in headers):
                     headers.append((HEADER, sid.encode("latin-1", "replace")))
                 message = {**message, "headers": headers}
             await send(message)

@@ -17,6 +17,8 @@ import httpx
 from .net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# The API key of the session-wide float32 server (the `shared_fp32_server` fixture in tests/conftest.py).
+SHARED_FP32_API_KEY = "shared-fp32-key"
 
 
 @dataclass

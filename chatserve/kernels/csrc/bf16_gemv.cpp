@@ -219,6 +219,8 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
                                    torch::Tensor seq_order, torch::Tensor group_start, double scale);
 void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
+void store_kv_paged_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor slot_mapping);
 
 // kernels/csrc/cpu_fused.cpp
 torch::Tensor silu_mul_bf16(torch::Tensor x);
@@ -238,6 +240,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
   m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
+  m.def("store_kv_paged_bf16", &store_kv_paged_bf16, "new tokens' K/V into their slots, in paged_attention_bf16's layout");
   m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache");
   m.def("bf16_gemv", &bf16_gemv, "small-batch bf16 x W^T");
   m.def("bf16_gemm_pack", &bf16_gemm_pack, "bf16 [N, K] -> the batch-invariant matmul's layout [G, Kp, 64, 2]",

@@ -10,14 +10,17 @@
 // of several sequences sharing a cached prefix. Nothing is split over keys (no split-K), so threads
 // only ever divide query rows among themselves.
 //
-// How: the q-vectors (row, head) that share a KV head are processed in work items of up to
-// kMaxItemRows. For each key tile the item's rows that see it and read the same physical blocks
-// share one transposed copy of its K (key i in lane i, bf16 pairs of dims: a score is a chain of
-// vdpbf16ps over head_dim in order) and one pair-interleaved copy of its V (the weighted sum is a
-// chain of vdpbf16ps over the tile's key pairs, P rounded to bf16 as SDPA does). Sharing the copies
-// is what makes long prefills and shared prefixes (cascade) cheap; each row's own chain is the same
-// as if it were alone. Build with -ffp-contract=off: no multiply may fuse with an add differently
-// in one inlined context than in another.
+// How: the cache is kept in this kernel's own layout inside each block (store_kv_paged_bf16 writes
+// it; every block-level operation of the engine, copy-on-write and zeroing, is layout-blind): K as
+// [KVH][D/2][block_size] bf16 pairs, so a tile's keys for dims (2c, 2c+1) are one 16-lane vector (key
+// i in lane i: a score is a chain of vdpbf16ps over head_dim in order, with no transpose), and V as
+// [KVH][block_size/2][D] pairs of consecutive keys (the weighted sum is a chain of vdpbf16ps over
+// the tile's key pairs, P rounded to bf16 as SDPA does). The q-vectors (row, head) that share a KV
+// head are processed in work items of up to kMaxItemRows; rows that read the same physical tile
+// compute their scores together (each tile read once for all of them: long prefills, and shared
+// prefixes, which is what cascade attention was for). Each row's own chain is the same as if it
+// were alone. Built with -ffp-contract=off: no multiply may fuse with an add differently in one
+// inlined context than in another.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -69,13 +72,20 @@ struct Ctx {
   float scale;
 };
 
-// Per thread: one tile's K (transposed) and V (pair-interleaved) copies and the rows' running state.
+// Per thread: a tile's K gathered from blocks smaller than a tile, and the rows' running state.
 struct Scratch {
   alignas(64) int32_t kt[kMaxHeadDim / 2 * kTile];  // [D/2][16 keys]: bf16 pair (dims 2c, 2c+1) of key i
-  alignas(64) int32_t vp[kTile / 2 * kMaxHeadDim];  // [8 key pairs][D]: (v_2i[d], v_2i+1[d]), unpack order
   alignas(64) float acc[kMaxItemRows * kMaxHeadDim];
   float m[kMaxItemRows];
   float l[kMaxItemRows];
+};
+
+// Where one tile's K and V are: K pairs for dims (2c, 2c+1) of the 16 keys at kt + c * kt_stride,
+// V pairs of keys (2i, 2i + 1) at vp[i] (D dwords each).
+struct Tile {
+  const int32_t* kt;
+  int64_t kt_stride;
+  const int32_t* vp[kTile / 2];
 };
 
 // Sum of 16 lanes in a fixed tree (halves, then quarters, ...): the same order for every row.
@@ -87,35 +97,9 @@ inline float hsum16(__m512 x) {
   return _mm_cvtss_f32(d);
 }
 
-// r[i] (16 dwords of key i) -> r[c] (dword c of keys 0..15).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // u[4a + e] holds, in 128-bit lane L, element 4L + e of keys 4a..4a+3
-  for (int e = 0; e < 4; ++e) {
-    const __m512i w0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xdd);
-    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
-    const __m512i w3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xdd);
-    r[e] = _mm512_shuffle_i32x4(w0, w2, 0x88);
-    r[8 + e] = _mm512_shuffle_i32x4(w0, w2, 0xdd);
-    r[4 + e] = _mm512_shuffle_i32x4(w1, w3, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(w1, w3, 0xdd);
-  }
-}
-
 // The physical blocks a q-vector at `pos` reads for the tile at key0 (one, or 16 / block_size when
-// blocks are smaller than a tile): the tile's identity, compared before its K/V copies are reused.
-// Lanes past the row's last block read its last block again (finite data, masked out).
+// blocks are smaller than a tile): the tile's identity. Lanes past the row's last block read its
+// last block again (finite data, masked out).
 inline int tile_blocks(const Ctx& c, const int64_t* table, int64_t pos, int64_t key0, int64_t* blocks) {
   const int64_t bs = c.block_size, last = pos / bs;
   const int n = bs >= kTile ? 1 : static_cast<int>(kTile / bs);
@@ -123,60 +107,60 @@ inline int tile_blocks(const Ctx& c, const int64_t* table, int64_t pos, int64_t 
   return n;
 }
 
-inline void tile_rows(const Ctx& c, const int64_t* blocks, int64_t key0, int64_t kv_head, int64_t* offs) {
-  const int64_t bs = c.block_size, row_stride = c.num_kv_heads * c.head_dim;
-  for (int i = 0; i < kTile; ++i) {
-    const int64_t kp = key0 + i;
-    const int64_t b = bs >= kTile ? blocks[0] : blocks[i / bs];
-    offs[i] = (b * bs + kp % bs) * row_stride + kv_head * c.head_dim;
+// dwords per block and KV head of either cache: block_size * D / 2
+inline Tile locate_tile(const Ctx& c, const int64_t* blocks, int64_t key0, int64_t kv_head, Scratch& s) {
+  const int64_t bs = c.block_size, D = c.head_dim, pairs = D / 2;
+  const int64_t block_dw = bs * c.num_kv_heads * pairs, head_dw = bs * pairs;
+  const int32_t* kc = reinterpret_cast<const int32_t*>(c.k);
+  const int32_t* vc = reinterpret_cast<const int32_t*>(c.v);
+  Tile t;
+  if (bs >= kTile) {
+    const int64_t off = key0 % bs;
+    t.kt = kc + blocks[0] * block_dw + kv_head * head_dw + off;
+    t.kt_stride = bs;
+    for (int i = 0; i < kTile / 2; ++i) t.vp[i] = vc + blocks[0] * block_dw + kv_head * head_dw + (off / 2 + i) * D;
+    return t;
   }
-}
-
-void load_tile(const Ctx& c, const int64_t* offs, Scratch& s) {
-  const int64_t D = c.head_dim;
-  for (int64_t cc = 0; cc < D / 32; ++cc) {  // 16 dwords (32 dims) of each key at a time
-    __m512i r[16];
-    for (int i = 0; i < kTile; ++i) r[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(c.k + offs[i] + cc * 32));
-    transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_store_si512(reinterpret_cast<void*>(s.kt + (cc * 16 + i) * kTile), r[i]);
+  // blocks of 2, 4 or 8 keys: gather the tile's K lanes from its blocks
+  const int nb = static_cast<int>(kTile / bs);
+  for (int b = 0; b < nb; ++b) {
+    const int32_t* src = kc + blocks[b] * block_dw + kv_head * head_dw;
+    for (int64_t p = 0; p < pairs; ++p) std::memcpy(s.kt + p * kTile + b * bs, src + p * bs, bs * sizeof(int32_t));
   }
-  for (int p = 0; p < kTile / 2; ++p) {
-    const at::BFloat16* a = c.v + offs[2 * p];
-    const at::BFloat16* b = c.v + offs[2 * p + 1];
-    for (int64_t cc = 0; cc < D / 32; ++cc) {
-      const __m512i va = _mm512_loadu_si512(reinterpret_cast<const void*>(a + cc * 32));
-      const __m512i vb = _mm512_loadu_si512(reinterpret_cast<const void*>(b + cc * 32));
-      _mm512_store_si512(reinterpret_cast<void*>(s.vp + p * D + cc * 32), _mm512_unpacklo_epi16(va, vb));
-      _mm512_store_si512(reinterpret_cast<void*>(s.vp + p * D + cc * 32 + 16), _mm512_unpackhi_epi16(va, vb));
-    }
+  t.kt = s.kt;
+  t.kt_stride = kTile;
+  for (int i = 0; i < kTile / 2; ++i) {
+    const int64_t key = 2 * i;
+    t.vp[i] = vc + blocks[key / bs] * block_dw + kv_head * head_dw + ((key % bs) / 2) * D;
   }
+  return t;
 }
 
 // scores of N q-vectors against the tile's 16 keys: one vdpbf16ps chain over head_dim each.
 template <int N>
-inline void tile_scores(const int32_t* kt, const pair_t* const* q, int64_t pairs, __m512* s) {
+inline void tile_scores(const Tile& t, const pair_t* const* q, int64_t pairs, __m512* s) {
   _Pragma("GCC unroll 8") for (int n = 0; n < N; ++n) s[n] = _mm512_setzero_ps();
   for (int64_t c = 0; c < pairs; ++c) {
-    const __m512bh k = (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(kt + c * kTile));
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(t.kt + c * t.kt_stride));
     _Pragma("GCC unroll 8") for (int n = 0; n < N; ++n) s[n] = _mm512_dpbf16_ps(s[n], k, (__m512bh)_mm512_set1_epi32(q[n][c]));
   }
 }
 
-// acc (NV vectors of 16 dims) += sum over the tile's key pairs of P pair * V pair, in pair order.
+// acc (NV vectors of 16 dims, from dim d) += sum over the tile's key pairs of P pair * V pair, in pair order.
 template <int NV>
-inline void accumulate_pv(float* acc, const int32_t* vp, const int32_t* p, int64_t D) {
+inline void accumulate_pv(float* acc, const Tile& t, int64_t d, const int32_t* p) {
   __m512 a[NV];
   _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + j * 16);
   _Pragma("GCC unroll 8") for (int i = 0; i < kTile / 2; ++i) {
     const __m512bh w = (__m512bh)_mm512_set1_epi32(p[i]);
     _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j)
-      a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_load_si512(reinterpret_cast<const void*>(vp + i * D + j * 16)), w);
+      a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(t.vp[i] + d + j * 16)), w);
   }
   _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + j * 16, a[j]);
 }
 
 // One online-softmax step of row r over the tile at key0 (its scores in s, unscaled).
-inline void softmax_step(const Ctx& c, Scratch& st, int r, __m512 s, int64_t pos, int64_t key0) {
+inline void softmax_step(const Ctx& c, Scratch& st, const Tile& t, int r, __m512 s, int64_t pos, int64_t key0) {
   const int64_t D = c.head_dim;
   const int64_t valid = pos - key0 + 1;  // >= 1
   const __mmask16 mask = valid >= kTile ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
@@ -198,31 +182,31 @@ inline void softmax_step(const Ctx& c, Scratch& st, int r, __m512 s, int64_t pos
   alignas(32) int32_t p[kTile / 2];
   _mm256_store_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(e));
   int64_t d = 0;
-  for (; d + 64 <= D; d += 64) accumulate_pv<4>(acc + d, st.vp + d, p, D);
-  if (d < D) accumulate_pv<2>(acc + d, st.vp + d, p, D);
+  for (; d + 64 <= D; d += 64) accumulate_pv<4>(acc + d, t, d, p);
+  if (d < D) accumulate_pv<2>(acc + d, t, d, p);
 }
 
 template <int N>
-void scores_and_steps(const Ctx& c, Scratch& st, const QVec* qv, const int* rows, int64_t key0) {
+void scores_and_steps(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int64_t key0) {
   const pair_t* q[N];
   for (int n = 0; n < N; ++n)
     q[n] = reinterpret_cast<const pair_t*>(c.q + qv[rows[n]].t * c.q_row_stride + qv[rows[n]].head * c.head_dim);
   __m512 s[N];
-  tile_scores<N>(st.kt, q, c.head_dim / 2, s);
-  for (int n = 0; n < N; ++n) softmax_step(c, st, rows[n], s[n], qv[rows[n]].pos, key0);
+  tile_scores<N>(t, q, c.head_dim / 2, s);
+  for (int n = 0; n < N; ++n) softmax_step(c, st, t, rows[n], s[n], qv[rows[n]].pos, key0);
 }
 
-void run_rows(const Ctx& c, Scratch& st, const QVec* qv, const int* rows, int n, int64_t key0) {
+void run_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int n, int64_t key0) {
   for (int i = 0; i < n; i += kChunk) {
     switch (std::min(kChunk, n - i)) {
-      case 1: scores_and_steps<1>(c, st, qv, rows + i, key0); break;
-      case 2: scores_and_steps<2>(c, st, qv, rows + i, key0); break;
-      case 3: scores_and_steps<3>(c, st, qv, rows + i, key0); break;
-      case 4: scores_and_steps<4>(c, st, qv, rows + i, key0); break;
-      case 5: scores_and_steps<5>(c, st, qv, rows + i, key0); break;
-      case 6: scores_and_steps<6>(c, st, qv, rows + i, key0); break;
-      case 7: scores_and_steps<7>(c, st, qv, rows + i, key0); break;
-      default: scores_and_steps<8>(c, st, qv, rows + i, key0); break;
+      case 1: scores_and_steps<1>(c, st, t, qv, rows + i, key0); break;
+      case 2: scores_and_steps<2>(c, st, t, qv, rows + i, key0); break;
+      case 3: scores_and_steps<3>(c, st, t, qv, rows + i, key0); break;
+      case 4: scores_and_steps<4>(c, st, t, qv, rows + i, key0); break;
+      case 5: scores_and_steps<5>(c, st, t, qv, rows + i, key0); break;
+      case 6: scores_and_steps<6>(c, st, t, qv, rows + i, key0); break;
+      case 7: scores_and_steps<7>(c, st, t, qv, rows + i, key0); break;
+      default: scores_and_steps<8>(c, st, t, qv, rows + i, key0); break;
     }
   }
 }
@@ -237,43 +221,36 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
     max_pos = std::max(max_pos, qv[r].pos);
   }
   int rows[kMaxItemRows];
-  int64_t offs[kTile], cur[kTile], blocks[kTile];
+  int64_t cur[kTile], blocks[kTile];
+  Tile tile{};
   for (int64_t key0 = 0; key0 <= max_pos; key0 += kTile) {
     int ncur = 0, nrows = 0;
     for (int64_t r = 0; r < n; ++r) {
       if (qv[r].pos < key0) continue;
       const int nb = tile_blocks(c, c.tables + qv[r].seq * c.max_blocks, qv[r].pos, key0, blocks);
       if (nb != ncur || !std::equal(blocks, blocks + nb, cur)) {  // another physical tile: other K/V
-        run_rows(c, st, qv, rows, nrows, key0);
+        if (nrows) run_rows(c, st, tile, qv, rows, nrows, key0);
         nrows = 0;
         ncur = nb;
         std::copy(blocks, blocks + nb, cur);
-        tile_rows(c, cur, key0, kv_head, offs);
-        load_tile(c, offs, st);
+        tile = locate_tile(c, cur, key0, kv_head, st);
       }
       rows[nrows++] = static_cast<int>(r);
     }
-    run_rows(c, st, qv, rows, nrows, key0);
+    if (nrows) run_rows(c, st, tile, qv, rows, nrows, key0);
   }
-  // out = acc / l, dims back from the unpack order (lo: dims 8L+0..3, hi: 8L+4..7 of each 32)
-  const __m512i idx_a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i idx_b = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int64_t r = 0; r < n; ++r) {
+  for (int64_t r = 0; r < n; ++r) {  // out = acc / l
     const __m512 inv = _mm512_set1_ps(1.0f / st.l[r]);
     const float* acc = st.acc + r * D;
     at::BFloat16* o = c.out + (qv[r].t * c.num_heads + qv[r].head) * D;
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(acc + d), inv);
-      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16), inv);
-      chatserve_simd::store16_fp32_as_bf16(o + d, _mm512_permutex2var_ps(lo, idx_a, hi));
-      chatserve_simd::store16_fp32_as_bf16(o + d + 16, _mm512_permutex2var_ps(lo, idx_b, hi));
-    }
+    for (int64_t d = 0; d < D; d += 16) chatserve_simd::store16_fp32_as_bf16(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), inv));
   }
 }
 
 }  // namespace
 
-// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D];
+// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D]
+// in the layout store_kv_paged_bf16 writes;
 // block_tables [S, max_blocks] int64; query_start [S + 1] int64 (sequence s owns rows
 // query_start[s] .. query_start[s + 1] - 1 of q, at positions start_pos[s], start_pos[s] + 1, ...;
 // their K/V already stored); groups: seq_order [S] lists the sequences group by group,
@@ -292,7 +269,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   const int64_t KVH = k_cache.size(2), bs = k_cache.size(1), NB = k_cache.size(0);
   TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(bs % kTile == 0 || kTile % bs == 0, "block_size must divide 16 or be a multiple of 16");
+  TORCH_CHECK(bs >= 2 && (bs % kTile == 0 || kTile % bs == 0), "block_size must be 2, 4, 8 or a multiple of 16");
   if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
   block_tables = block_tables.contiguous();
   query_start = query_start.contiguous();
@@ -379,6 +356,53 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
     }
   });
   return out;
+}
+
+// Each new token's K and V into its slot, in paged_attention_bf16's layout within each block: K as
+// [KVH][D/2][block_size] bf16 pairs, V as [KVH][block_size/2][D][2] (consecutive keys paired).
+// k, v [T, KVH, D] may be views into the fused qkv projection (rows strided, heads contiguous).
+void store_kv_paged_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "shape mismatch");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0),
+              "slot_mapping must be int64 [T]");
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == KVH && k_cache.size(3) == D, "K/V rows do not match the cache's heads");
+  TORCH_CHECK(D % 2 == 0 && bs % 2 == 0, "head_dim and block_size must be even");
+  auto row_major = [&](torch::Tensor& t) {
+    if (t.stride(2) != 1 || t.stride(1) != t.size(2)) t = t.contiguous();
+  };
+  row_major(k);
+  row_major(v);
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t num_slots = k_cache.size(0) * bs;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot ", slots[t], " outside the KV pool");
+  const int32_t* kp = reinterpret_cast<const int32_t*>(k.data_ptr<at::BFloat16>());
+  const at::BFloat16* vp = v.data_ptr<at::BFloat16>();
+  int32_t* kc = reinterpret_cast<int32_t*>(k_cache.data_ptr<at::BFloat16>());
+  at::BFloat16* vc = v_cache.data_ptr<at::BFloat16>();
+  const int64_t ks = k.stride(0) / 2, vs = v.stride(0), pairs = D / 2, block = bs * KVH * D;
+  TORCH_CHECK(k.stride(0) % 2 == 0, "K rows must start at even elements");
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t b = slots[t] / bs, o = slots[t] % bs;
+      for (int64_t h = 0; h < KVH; ++h) {
+        int32_t* kd = kc + (b * block) / 2 + h * pairs * bs + o;
+        const int32_t* ks_row = kp + t * ks + h * pairs;
+        for (int64_t c = 0; c < pairs; ++c) kd[c * bs] = ks_row[c];
+        at::BFloat16* vd = vc + b * block + ((h * (bs / 2) + o / 2) * D) * 2 + o % 2;
+        const at::BFloat16* vs_row = vp + t * vs + h * D;
+        for (int64_t d = 0; d < D; ++d) vd[2 * d] = vs_row[d];
+      }
+    }
+  });
 }
 
 // Each new token's K and V rows into its slot of the paged caches (slot -1: skip). k, v [T, KVH, D]

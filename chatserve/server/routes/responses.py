@@ -276,8 +276,10 @@ async def get_response(request: Request) -> Response:
 
 
 async def _has_log(ctx: ServerContext, rid: str) -> bool:
+    # The run registry's view: a local run's events may still be in its in-process mirror, not yet
+    # in the shared log.
     with event_log_errors("response_id"):
-        return await ctx.runs.log.exists(rid)
+        return await ctx.runs.info(rid) is not None
 
 
 def _flag(request: Request, name: str) -> bool:

@@ -36,6 +36,17 @@ def pytest_sessionstart(session) -> None:
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """The compiled C++ kernels, or a skip where the CPU (no AVX512-BF16) or the compiler lacks them."""
+    from chatserve.kernels.cpu_gemv import load_cpu_kernels
+
+    k = load_cpu_kernels()
+    if k is None:
+        pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
+    return k
+
+
+@pytest.fixture(scope="session")
 def shared_fp32_server():
     """One live `chatserve serve` (default model, float32, block size 16, API key) for the whole session.
 

@@ -9,16 +9,7 @@ import torch
 
 from chatserve.attention.base import BatchLayout, slots_of
 from chatserve.attention.cpu_backend import CpuPagedAttentionBackend, group_sequences
-from chatserve.kernels.cpu_gemv import load_cpu_kernels
 from chatserve.kernels.reference import paged_extend_attention
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_cpu_kernels()
-    if k is None:
-        pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
-    return k
 
 
 def _i64(values) -> torch.Tensor:

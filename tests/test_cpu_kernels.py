@@ -8,16 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from chatserve import LLM, SamplingParams
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, load_cpu_kernels
+from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
 from chatserve.layers.linear import kernel_linear, onednn_linear, onednn_pack, packed_linear_available, power_of_two_pieces
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_cpu_kernels()
-    if k is None:
-        pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
-    return k
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ redis-server of its own.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -27,7 +26,7 @@ from chatserve.server.event_log import (
 )
 from chatserve.sessions import InMemorySessionStore, RedisSessionStore
 
-from .helpers.redis_server import REDIS_SERVER, RedisProcess, redis_answers
+from .helpers.redis_server import REDIS_SERVER, RedisProcess, redis_for_tests
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -39,18 +38,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    url = os.environ.get("CHATSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if redis_answers(url):
-        yield url
-        return
-    if REDIS_SERVER is None:
-        pytest.skip(f"no Redis answers at {url} and redis-server is not installed")
-    server = RedisProcess()
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.kill()
+    """A Redis to test against: the running one if it answers, else one of our own."""
+    yield from redis_for_tests()
 
 
 def _keys_under(url: str, prefix: str) -> list[bytes]:

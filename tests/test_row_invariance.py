@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatserve.kernels.cpu_gemv import load_cpu_kernels
 from chatserve.layers.activation import SiluAndMul
 from chatserve.layers.norm import RMSNorm
 from chatserve.layers.rotary import QKRotary
@@ -17,14 +16,6 @@ from chatserve.worker.sampler import Sampler, _logsumexp, make_generator
 
 # row counts either side of the kernels' thread split (64 rows) and a prefill chunk
 BATCHES = (1, 2, 7, 64, 65, 300)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_cpu_kernels()
-    if k is None:
-        pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
-    return k
 
 
 def assert_rows_invariant(fn, rows: torch.Tensor) -> None:

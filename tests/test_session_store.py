@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -32,7 +31,7 @@ from chatserve.sessions import (
     make_session_store,
 )
 
-from .helpers.redis_server import REDIS_SERVER, RedisProcess, redis_answers
+from .helpers.redis_server import REDIS_SERVER, RedisProcess, redis_for_tests
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -48,18 +47,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """A Redis to test against: the running one if it answers, else one of our own."""
-    url = os.environ.get("CHATSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if redis_answers(url):
-        yield url
-        return
-    if REDIS_SERVER is None:
-        pytest.skip(f"no Redis answers at {url} and redis-server is not installed")
-    server = RedisProcess()
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.kill()
+    yield from redis_for_tests()
 
 
 @pytest.fixture

@@ -6,10 +6,12 @@ must break Redis without disturbing anyone else.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 
 import redis
 
@@ -25,6 +27,25 @@ def redis_answers(url: str) -> bool:
             return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+def redis_for_tests() -> Iterator[str]:
+    """A Redis URL to test against: $CHATSERVE_TEST_REDIS_URL or the running one if it answers, else a
+    redis-server of our own for as long as the generator runs (tests skip with neither)."""
+    import pytest
+
+    url = os.environ.get("CHATSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if redis_answers(url):
+        yield url
+        return
+    if REDIS_SERVER is None:
+        pytest.skip(f"no Redis answers at {url} and redis-server is not installed")
+    server = RedisProcess()
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.kill()
 
 
 class RedisProcess:

@@ -311,26 +311,22 @@ async def cancel_response(request: Request) -> Response:
     ctx = get_context(request)
     store = _store(ctx)
     rid = request.path_params["response_id"]
-    with store_errors():
-        found = await store.get(rid)
-    if found is None:
-        raise _not_found(rid)
-    if found.get("status") in TERMINAL:
-        return JSONResponse(found)
-    state = await cancel_local(ctx, rid)
-    if state is None and ctx.cancel_bus is not None:
-        with contextlib.suppress(Exception):
-            await ctx.cancel_bus.cancel_remote(rid)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + _CANCEL_WAIT_S
-    while loop.time() < deadline:  # the run records its end (cancelled, or whatever it reached first)
+    deadline: float | None = None  # set once the run was asked to stop
+    while deadline is None or loop.time() < deadline:
         with store_errors():
             found = await store.get(rid)
         if found is None:
             raise _not_found(rid)
-        if found.get("status") in TERMINAL:
+        if found.get("status") in TERMINAL:  # finished before, or the run recorded its end since
             return JSONResponse(found)
-        await asyncio.sleep(0.02)
+        if deadline is None:
+            if await cancel_local(ctx, rid) is None and ctx.cancel_bus is not None:
+                with contextlib.suppress(Exception):
+                    await ctx.cancel_bus.cancel_remote(rid)
+            deadline = loop.time() + _CANCEL_WAIT_S
+        else:
+            await asyncio.sleep(0.02)
     raise APIError(503, f"response {rid!r} was asked to cancel but has not recorded its end yet; retry",
                    code="cancel_pending", headers={"Retry-After": "1"})
 

@@ -26,6 +26,7 @@ import pytest
 from .helpers.net import wait_until
 from .helpers.server import ServerProcess, start_server
 from .helpers.sse_tap import AsyncTapTransport, SSETap, TapTransport
+from .helpers.streams import cancel_agent_stream_after
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "compat-key"
@@ -364,19 +365,11 @@ def test_agents_run_and_run_streamed(server, tap):
 
 def test_agents_run_streamed_cancel(server, tap):
     from agents import Runner
-    from openai.types.responses import ResponseTextDeltaEvent
 
     before = aborts(server, "client_disconnect")
 
     async def main() -> None:
-        streamed = Runner.run_streamed(_agent(server, tap, 400), LONG_PROMPT)
-        n = 0
-        async for e in streamed.stream_events():
-            if e.type == "raw_response_event" and isinstance(e.data, ResponseTextDeltaEvent):
-                n += 1
-                if n == 3:
-                    streamed.cancel()
-        assert n >= 3 and streamed.is_complete
+        await cancel_agent_stream_after(Runner.run_streamed(_agent(server, tap, 400), LONG_PROMPT))
 
     asyncio.run(main())
     assert_idle(server)

@@ -21,6 +21,7 @@ import redis
 
 from .helpers.redis_server import REDIS_SERVER, RedisProcess
 from .helpers.server import ServerProcess, start_server
+from .helpers.streams import cancel_agent_stream_after, total_aborts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -182,7 +183,6 @@ def test_foreground_stream_dropped_is_stored_cancelled(server) -> None:
 def test_agents_sdk_default_model_answers_calls_a_tool_and_cancels(server) -> None:
     import agents
     from agents import Agent, ModelSettings, Runner, function_tool
-    from openai.types.responses import ResponseTextDeltaEvent
 
     srv: ServerProcess = server["server"]
     seen: list[str] = []
@@ -209,19 +209,16 @@ def test_agents_sdk_default_model_answers_calls_a_tool_and_cancels(server) -> No
                        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40))
         result = await Runner.run(tooled, "What is the weather in Paris?", max_turns=4)
         assert seen and isinstance(result.final_output, str)
-        streamed = Runner.run_streamed(Agent(name="story", instructions="Tell stories.", model=MODEL,
-                                             model_settings=ModelSettings(max_tokens=300, extra_body=IGNORE_EOS)),
-                                       "Tell me a long story about a lighthouse.")
-        n = 0
-        async for e in streamed.stream_events():
-            if e.type == "raw_response_event" and isinstance(e.data, ResponseTextDeltaEvent):
-                n += 1
-                if n == 3:
-                    streamed.cancel()
-        assert n >= 3 and streamed.is_complete
+        await cancel_agent_stream_after(Runner.run_streamed(
+            Agent(name="story", instructions="Tell stories.", model=MODEL,
+                  model_settings=ModelSettings(max_tokens=300, extra_body=IGNORE_EOS)),
+            "Tell me a long story about a lighthouse."))
 
+    before = total_aborts(srv.metrics())
     asyncio.run(main())
     srv.wait_idle()
+    # The cancel reached the server: the 300-token run was aborted, not left to finish.
+    assert total_aborts(srv.metrics()) == before + 1
 
 
 def test_redis_killed_mid_background_run(server) -> None:

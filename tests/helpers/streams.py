@@ -102,3 +102,23 @@ def stream_in_thread(url: str, path: str, body: dict[str, Any], *, headers: dict
     stream.thread = threading.Thread(target=run, daemon=True)
     stream.thread.start()
     return stream
+
+
+async def cancel_agent_stream_after(streamed: Any, deltas: int = 3) -> int:
+    """Cancel an OpenAI Agents SDK `Runner.run_streamed` run once `deltas` text deltas arrived, as a user
+    pressing stop would; returns how many deltas were seen (the run must still end cleanly)."""
+    from openai.types.responses import ResponseTextDeltaEvent
+
+    n = 0
+    async for e in streamed.stream_events():
+        if e.type == "raw_response_event" and isinstance(e.data, ResponseTextDeltaEvent):
+            n += 1
+            if n == deltas:
+                streamed.cancel()
+    assert n >= deltas and streamed.is_complete
+    return n
+
+
+def total_aborts(metrics: dict[str, float]) -> float:
+    """All requests the server aborted, whatever the reason (chatserve:request_aborts_total)."""
+    return sum(v for k, v in metrics.items() if k.startswith("chatserve:request_aborts_total{"))

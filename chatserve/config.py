@@ -10,6 +10,8 @@ import torch
 from chatserve.models.registry import MODEL_TYPES, check_architecture
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+QuantizationName = Literal["auto", "none", "gguf", "int8"]
+QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "gguf", "int8")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -153,6 +155,10 @@ class EngineArgs:
     dtype: DTypeName = field(default="auto", metadata={
         "help": "weights and activations; auto is bfloat16 on GPUs and on CPUs with AVX512-BF16 or AMX, else "
                 "float32 (bf16 without those instructions is slower than float32)"})
+    quantization: QuantizationName = field(default="auto", metadata={
+        "help": "weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks where the quantized CPU "
+                "kernels run (AVX512-BF16, bfloat16), else de-quantises; none de-quantises; gguf insists on the "
+                "file's blocks; int8 quantises every weight to int8 per output channel at load (also safetensors)"})
     device: str = field(default="auto", metadata={"help": "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block: 8, 16, 32, 64 or 128"})
     max_model_len: int | None = field(default=None, metadata={
@@ -197,6 +203,8 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

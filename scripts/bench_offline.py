@@ -6,6 +6,7 @@
     python scripts/bench_offline.py --only chatserve   # chatserve half only
     python scripts/bench_offline.py --model PATH       # an HF folder (safetensors) or a .gguf file
     python scripts/bench_offline.py --json bench_results/offline.json
+    python scripts/bench_offline.py --only chatserve --quantization auto,none   # quantized GGUF vs de-quantised
 
 Each engine runs in its own subprocess (so load time is from a cold process and peak RSS is per engine);
 the parent builds the prompts once, as token ids, so both engines see identical inputs. The worker
@@ -56,15 +57,17 @@ ENGINES = ("hf", "chatserve")
 class ChatserveEngine:
     name = "chatserve"
 
-    def __init__(self, model: bc.ModelRef, dtype: str, threads: int) -> None:
+    def __init__(self, model: bc.ModelRef, dtype: str, threads: int, quantization: str = "auto") -> None:
         from chatserve import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
         # NOTE: prefix caching off, so repeated prefill runs recompute the whole prompt.
-        self.llm = LLM(model=model.path, dtype=dtype, enable_prefix_caching=False, num_threads=threads)
+        self.llm = LLM(model=model.path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
+                       quantization=quantization)
         self.tokenizer = self.llm.get_tokenizer()
         self.max_cached_tokens = 0
-        self.info = {"llm": type(self.llm).__module__ + "." + type(self.llm).__qualname__}
+        self.info = {"llm": type(self.llm).__module__ + "." + type(self.llm).__qualname__,
+                     "quantization": quantization, "matmuls": self.llm.engine.runner.linear_impl}
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = self.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -171,7 +174,8 @@ def worker_main(engine_name: str, spec: dict[str, Any] | None, args: argparse.Na
         if engine_name == "hf":
             res["load_s"], engine = _timed(lambda: bc.HFEngine(model, spec["dtype"]))
         else:
-            res["load_s"], engine = _timed(lambda: ChatserveEngine(model, spec["dtype"], spec["threads"]))
+            res["load_s"], engine = _timed(lambda: ChatserveEngine(model, spec["dtype"], spec["threads"],
+                                                                   args.worker_quantization))
         res["torch_threads_after_load"] = torch.get_num_threads()
         res["rss_after_load_mib"] = bc.current_rss_mib()
         res["info"] = engine.info
@@ -195,6 +199,33 @@ def make_spec(args: argparse.Namespace) -> dict[str, Any]:
                           decode_tokens=args.decode_tokens, workload=work)
 
 
+def quantization_table(results: dict[str, dict[str, Any]], quantizations: list[str], *, prefill_tokens: int,
+                       batch_size: int) -> str:
+    """chatserve with each --quantization side by side; ratio: the first against each other one (>1 = first better)."""
+    first = results.get("chatserve") or {}
+    others = [(q, results.get(f"chatserve[{q}]") or {}) for q in quantizations[1:]]
+    header = ["metric", f"chatserve ({quantizations[0]})"]
+    for q, _ in others:
+        header += [f"chatserve ({q})", f"ratio {quantizations[0]}/{q}"]
+    rows = [tuple(header)]
+    for key, label, higher_better, spec in bc.METRICS:
+        row = [label.format(P=prefill_tokens, B=batch_size), bc.fmt(first.get(key), spec)]
+        for _, res in others:
+            a, b = first.get(key), res.get(key)
+            measured = all(isinstance(x, (int, float)) and x > 0 for x in (a, b))
+            better = (bc.ratio(a, b) if higher_better else bc.ratio(b, a)) if measured else None
+            row += [bc.fmt(b, spec), bc.fmt(better, "{:.2f}x")]
+        rows.append(tuple(row))
+    a = first.get("bs1_token_ids")
+    for q, res in others:
+        b = res.get("bs1_token_ids")
+        if a and b:
+            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            rows.append(tuple([f"greedy batch 1 identical to {q}", f"{same} of {min(len(a), len(b))} tokens"]
+                              + [""] * (len(header) - 2)))
+    return bc.markdown_table(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct Q4_1 GGUF "
@@ -209,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs for prefill and batch 1 (best taken)")
     p.add_argument("--batch-repeats", type=int, default=1, help="timed runs for the batched measurement")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine worker")
+    p.add_argument("--quantization", default="auto", metavar="Q[,Q...]",
+                   help="chatserve's quantization (auto, none, gguf, int8); several, comma-separated, run one "
+                        "chatserve worker each, the first against transformers and the others beside it "
+                        "(e.g. auto,none: the quantized GGUF next to the de-quantised bf16 path)")
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    p.add_argument("--worker-quantization", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -223,9 +259,18 @@ def main(argv: list[str] | None = None) -> int:
                  f"prefill {len(work['prefill_prompt'])} ids, short prompt {len(work['short_prompt'])} ids, "
                  f"{len(work['batch_prompts'])} batch prompts")
 
+    quantizations = [q.strip() for q in args.quantization.split(",") if q.strip()] or ["auto"]
+    bad = [q for q in quantizations if q not in ("auto", "none", "gguf", "int8")]
+    if bad:
+        p.error(f"--quantization: each value must be auto, none, gguf or int8; got {', '.join(bad)}")
     engines = (args.only,) if args.only else ENGINES
     results = bc.run_engine_workers(__file__, engines, spec, result_marker=RESULT_MARKER, threads=args.threads,
-                                    timeout=args.timeout)
+                                    timeout=args.timeout, extra_args=["--worker-quantization", quantizations[0]])
+    if "chatserve" in engines:
+        for q in quantizations[1:]:
+            results[f"chatserve[{q}]"] = bc.run_engine_workers(
+                __file__, ["chatserve"], spec, result_marker=RESULT_MARKER, threads=args.threads, timeout=args.timeout,
+                extra_args=["--worker-quantization", q])["chatserve"]
 
     # Greedy agreement on the batch-1 run: a cheap correctness signal (bf16 may diverge late).
     a = (results.get("hf") or {}).get("bs1_token_ids")
@@ -241,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if agreement is not None:
         print(f"greedy agreement (batch 1): first {agreement} of {min(len(a), len(b))} tokens identical")
+    if len(quantizations) > 1 and "chatserve" in engines:
+        print()
+        print(quantization_table(results, quantizations, prefill_tokens=args.prefill_tokens, batch_size=args.batch_size))
     if busy_before:
         print("WARNING: " + busy_before)
     status = bc.print_problems(results)

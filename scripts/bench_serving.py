@@ -18,6 +18,16 @@ Every request is streamed (SSE) and each chunk is timed as it arrives. Workloads
   (``POST /v1/requests/{id}/cancel``) or by closing the connection (``--abort-mode``). When the
   server exposes chatserve's Prometheus metrics, reports how many aborts the server counted, how
   soon after each abort, and how long until nothing ran any more.
+- ``fixed``: unrelated prompts of about ``--prompt-tokens`` tokens, each generating exactly
+  ``--max-tokens`` tokens (with ignore_eos), at ``--concurrency``: ``--concurrency 1`` measures one
+  stream's decode speed, ``--num-requests 8 --concurrency 8`` a batch arriving at once.
+- ``ttft``: ``fixed`` run one request at a time (concurrency forced to 1), for the time to first token
+  of a ``--prompt-tokens`` prompt (use ``--max-tokens 1`` or ``2``); reports the median and the minimum.
+
+In ``fixed`` and ``ttft`` every request starts with its own system message, its number and the run's
+random id, so two prompts share at most the template's first few tokens (less than one KV block),
+not even across runs against the same server: the prefix cache can never help. (Without a system
+message, chat templates such as SmolLM2's insert the same default one, a shared first block.)
 
 Prompts are built from word lists in this file with a ``random.Random(seed)``: nothing is
 downloaded, the same seed gives the same prompts, and no tokenizer is needed (lengths are
@@ -29,7 +39,10 @@ Measures (per request, then p50/p90/p99/mean):
 - ITL: gaps between consecutive chunks with text (one chunk is one token on chatserve, llama.cpp
   and vLLM unless text is held back, e.g. half a UTF-8 character);
 - TPOT: (e2e - TTFT) / (completion tokens - 1), completion tokens from ``usage`` when reported;
-- e2e: request sent -> end of stream.
+- e2e: request sent -> end of stream;
+- all first tokens: first request sent -> the moment the last request got its first token (how
+  long the slowest of a burst of users waits);
+- decode tok/s per stream: 1000 / TPOT p50.
 
 ``output_tokens_per_s`` and ``requests_per_s`` divide by the wall time from the first request sent
 to the last stream ended (warm-up requests excluded). ``cached_token_ratio`` is
@@ -73,7 +86,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402  (stdlib-only: no chatserve needed on the client machine)
 
-WORKLOADS = ("shared-prefix", "multi-turn", "random", "abort-storm")
+WORKLOADS = ("shared-prefix", "multi-turn", "random", "abort-storm", "fixed", "ttft")
 
 # ---------------------------------------------------------------------------------------------------
 # Deterministic prompt text. English-like sentences from word lists; SmolLM2's tokenizer gives about
@@ -196,9 +209,16 @@ class Plan:
     description: str
 
 
-def build_plan(args: argparse.Namespace) -> Plan:
+def build_plan(args: argparse.Namespace, run_id: str = "") -> Plan:
+    """Every request of the workload; run_id starts each fixed/ttft prompt (see the module docstring)."""
     rng = random.Random(args.seed)
     n, t = args.num_requests, args.max_tokens
+    if args.workload in ("fixed", "ttft"):
+        units = [[RequestSpec(i, [{"role": "system", "content": f"[{i + 1}-{run_id}] You are a helpful assistant."},
+                                  {"role": "user", "content": text_of_tokens(rng, args.prompt_tokens)}], t)]
+                 for i in range(n)]
+        how = "one at a time" if args.workload == "ttft" else f"concurrency {args.concurrency}"
+        return Plan(units, f"{n} unrelated ~{args.prompt_tokens}-token prompts, exactly {t} tokens each, {how}")
     if args.workload == "shared-prefix":
         system = ("You are the assistant of the archive of a small coastal village. Answer questions using the "
                   "records below; be brief and precise.\n\nRecords:\n" + text_of_tokens(rng, args.prefix_tokens))
@@ -799,6 +819,9 @@ def summarize(args: argparse.Namespace, plan: Plan, runner: Runner, t0: float, t
     cached_ratio = (round(sum(r.cached_tokens or 0 for r in with_cache) / prompt_sum, 4)
                     if with_cache and prompt_sum else None)
     errors = [r.error for r in res if r.error]
+    ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    first_tokens_at = [r.start + r.ttft_ms / 1e3 for r in ok if r.ttft_ms is not None]
+    tpot = dist([x for r in ok if (x := r.tpot_ms()) is not None])
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "compare", "side_by_side")}
     settings.update({
         "model": model, "server_kind": server_kind, "workload_description": plan.description,
@@ -821,9 +844,14 @@ def summarize(args: argparse.Namespace, plan: Plan, runner: Runner, t0: float, t
         "mean_prompt_tokens": round(statistics.fmean([r.prompt_tokens for r in ok if r.prompt_tokens]), 1)
         if any(r.prompt_tokens for r in ok) else None,
         "cached_token_ratio": cached_ratio,
-        "ttft_ms": dist([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "ttft_ms": dist(ttfts),
+        "ttft_ms_min": round(min(ttfts), 3) if ttfts else None,
+        # None unless every request got its first token: "all of them" is then unknown.
+        "all_first_tokens_ms": round((max(first_tokens_at) - t0) * 1e3, 3)
+        if first_tokens_at and len(first_tokens_at) == len(res) else None,
         "itl_ms": dist([x for r in ok for x in r.itl_ms]),
-        "tpot_ms": dist([t for r in ok if (t := r.tpot_ms()) is not None]),
+        "tpot_ms": tpot,
+        "decode_tokens_per_s": round(1e3 / tpot["p50"], 2) if tpot["p50"] else None,
         "e2e_ms": dist([r.e2e_ms for r in ok if r.e2e_ms is not None]),
         "errors": sorted(set(errors))[:10],
         "server": server_delta(before, after),
@@ -865,9 +893,12 @@ TABLE_ROWS: list[tuple[str, Any]] = [
     ("output tokens/s", lambda s: _f(s["output_tokens_per_s"])),
     ("TTFT p50 / p90 / p99 (ms)", lambda s: " / ".join(_f(s["ttft_ms"][k], "{:.0f}") for k in ("p50", "p90", "p99"))),
     ("TTFT mean (ms)", lambda s: _f(s["ttft_ms"]["mean"], "{:.0f}")),
+    ("TTFT min (ms)", lambda s: _f(s.get("ttft_ms_min"), "{:.0f}")),
+    ("all first tokens by (ms)", lambda s: _f(s.get("all_first_tokens_ms"), "{:.0f}")),
     ("ITL p50 / p90 / p99 (ms)", lambda s: " / ".join(_f(s["itl_ms"][k]) for k in ("p50", "p90", "p99"))),
     ("ITL mean (ms)", lambda s: _f(s["itl_ms"]["mean"])),
     ("TPOT p50 (ms)", lambda s: _f(s.get("tpot_ms", {}).get("p50"))),
+    ("decode tok/s per stream", lambda s: _f(s.get("decode_tokens_per_s"))),
     ("e2e p50 / p90 (ms)", lambda s: " / ".join(_f(s["e2e_ms"][k], "{:.0f}") for k in ("p50", "p90"))),
     ("cached token ratio", lambda s: _f(s["cached_token_ratio"], "{:.3f}")),
 ]
@@ -973,9 +1004,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         runner = Runner(args, server, model, run_id)
         if args.sessions and args.workload != "multi-turn":
             runner.notes.append("--sessions only applies to multi-turn; ignored")
+        if args.workload == "ttft" and args.concurrency != 1:
+            runner.notes.append(f"ttft runs one request at a time; --concurrency {args.concurrency} ignored")
+            args.concurrency = 1
         await warmup(runner, args.warmup)
         before = await server.metrics()
-        plan = build_plan(args)
+        plan = build_plan(args, run_id)
         total = sum(len(u) for u in plan.units)
         watcher = None
         if args.workload == "abort-storm" and before is not None:
@@ -1032,6 +1066,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--first-turn-tokens", type=int, default=200, help="multi-turn: first message length")
     g.add_argument("--turn-tokens", type=int, default=40, help="multi-turn: follow-up message length")
     g.add_argument("--sessions", action="store_true", help="multi-turn through chatserve's session API")
+    g.add_argument("--prompt-tokens", type=int, default=1000, help="fixed, ttft: prompt length")
     g.add_argument("--random-input-min", type=int, default=32)
     g.add_argument("--random-input-max", type=int, default=512)
     g.add_argument("--abort-fraction", type=float, default=0.5, help="abort-storm: fraction of clients that leave")
@@ -1046,8 +1081,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--side-by-side", nargs="+", metavar="JSON", default=None,
                    help="only print a table of saved runs (and --plot them together); no requests")
     args = p.parse_args(argv)
-    if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        p.error("--num-requests, --concurrency and --max-tokens must be at least 1")
+    if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.prompt_tokens < 1:
+        p.error("--num-requests, --concurrency, --max-tokens and --prompt-tokens must be at least 1")
     if not 0.0 <= args.abort_fraction <= 1.0:
         p.error("--abort-fraction must be in [0, 1]")
     return args

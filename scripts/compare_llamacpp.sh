@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # chatserve vs llama-cpp-python's OpenAI-compatible server, same GGUF, same machine, same workloads.
 #
-#   scripts/compare_llamacpp.sh            # install (first time), start both servers, run, print a table
+#   scripts/compare_llamacpp.sh                 # install (first time), start both servers, run, print a table
+#   scripts/compare_llamacpp.sh --install-only  # only step 1: build .venv-llamacpp and smoke-test it
 #
 # 1. Installs llama-cpp-python[server] into its own virtualenv, .venv-llamacpp (built from source by
 #    pip: about five minutes on 2 cores the first time; later runs reuse it). LLAMACPP_SPEC overrides
@@ -21,10 +22,16 @@
 # LLAMACPP_SPEC, CHATSERVE_ARGS, LLAMACPP_ARGS, BENCH_ARGS (extra bench_serving.py flags for both).
 set -euo pipefail
 
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment above, before installing anything
-  sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
-  exit 0
-fi
+# shellcheck source=scripts/compare_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/compare_common.sh"
+LOG_TAG=compare_llamacpp
+INSTALL_ONLY=0
+case "${1:-}" in
+    -h|--help) print_header "${BASH_SOURCE[0]}"; exit 0 ;;  # the comment above, before installing anything
+    --install-only) INSTALL_ONLY=1 ;;
+    "") ;;
+    *) log "unknown argument: $1 (try -h)"; exit 2 ;;
+esac
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -41,8 +48,6 @@ CHATSERVE_ARGS=${CHATSERVE_ARGS:-}
 LLAMACPP_ARGS=${LLAMACPP_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-
-log() { printf '[compare_llamacpp] %s\n' "$*" >&2; }
 
 [ -x "$PY" ] || { log "no .venv: run scripts/setup_env.sh first"; exit 2; }
 
@@ -99,79 +104,33 @@ then
     exit 1
 fi
 rm -f "$OUT_DIR/llamacpp-smoke.log"
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+if [ "$INSTALL_ONLY" = 1 ]; then
+    rmdir "$OUT_DIR" 2>/dev/null || true
+    log "llama-cpp-python $LLAMACPP_VERSION is ready in $LVENV (--install-only: no servers started)"
+    exit 0
+fi
 
-# ---- 2. both servers, stopped whatever happens --------------------------------------------------------
-CS_PID=""
-LC_PID=""
-CHILD_PID=""  # the benchmark client running now
-stop_server() {  # pid name
-    local pid=$1 name=$2
-    [ -n "$pid" ] || return 0
-    kill -0 "$pid" 2>/dev/null || return 0
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 100); do
-        kill -0 "$pid" 2>/dev/null || { log "stopped $name"; return 0; }
-        sleep 0.2
-    done
-    log "$name did not stop after SIGTERM; killing it"
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-}
-cleanup() {
-    local rc=$?
-    trap - EXIT INT TERM
-    [ -n "$CHILD_PID" ] && kill -TERM "$CHILD_PID" 2>/dev/null
-    stop_server "$CS_PID" chatserve
-    stop_server "$LC_PID" llama.cpp
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-# NOTE: bash runs a trap only after the foreground command returns, so long children run in the
-# background and are waited for: `wait` returns as soon as a signal arrives.
-run_child() {
-    "$@" &
-    CHILD_PID=$!
-    local rc=0
-    wait "$CHILD_PID" || rc=$?
-    CHILD_PID=""
-    return "$rc"
-}
-
-wait_ready() {  # name url pid log
-    local name=$1 url=$2 pid=$3 logf=$4
-    for _ in $(seq 1 900); do
-        if ! kill -0 "$pid" 2>/dev/null; then
-            log "$name exited during startup; its log:"; tail -n 40 "$logf" >&2; exit 1
-        fi
-        if "$PY" -c "import httpx,sys; sys.exit(0 if httpx.get('$url', timeout=2).status_code == 200 else 1)" 2>/dev/null; then
-            return 0
-        fi
-        sleep 0.5
-    done
-    log "$name not ready after 450 s; its log:"; tail -n 40 "$logf" >&2; exit 1
-}
+# ---- 2. both servers, stopped whatever happens (compare_common.sh) ----------------------------------
+install_cleanup
 
 CS_PORT=$(free_port)
 log "starting chatserve on 127.0.0.1:$CS_PORT ($THREADS threads)"
 # shellcheck disable=SC2086
-"$PY" -m chatserve serve --host 127.0.0.1 --port "$CS_PORT" --num-threads "$THREADS" --log-level warning \
-    $CHATSERVE_ARGS >"$OUT_DIR/chatserve.log" 2>&1 &
-CS_PID=$!
+start_server chatserve "$OUT_DIR/chatserve.log" \
+    "$PY" -m chatserve serve --host 127.0.0.1 --port "$CS_PORT" --num-threads "$THREADS" --log-level warning \
+    $CHATSERVE_ARGS
 
 LC_PORT=$(free_port)
 log "starting llama_cpp.server $LLAMACPP_VERSION on 127.0.0.1:$LC_PORT ($THREADS threads)"
 # shellcheck disable=SC2086
-"$LVENV/bin/python" -m llama_cpp.server --model "$GGUF" --model_alias SmolLM2-135M-Instruct \
+start_server llama.cpp "$OUT_DIR/llamacpp.log" \
+    "$LVENV/bin/python" -m llama_cpp.server --model "$GGUF" --model_alias SmolLM2-135M-Instruct \
     --host 127.0.0.1 --port "$LC_PORT" --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx 8192 \
     --n_batch 512 --cache true --cache_type ram --logits_all false --interrupt_requests false \
-    $LLAMACPP_ARGS >"$OUT_DIR/llamacpp.log" 2>&1 &
-LC_PID=$!
+    $LLAMACPP_ARGS
 
-wait_ready chatserve "http://127.0.0.1:$CS_PORT/health" "$CS_PID" "$OUT_DIR/chatserve.log"
-wait_ready llama.cpp "http://127.0.0.1:$LC_PORT/v1/models" "$LC_PID" "$OUT_DIR/llamacpp.log"
+wait_ready chatserve "http://127.0.0.1:$CS_PORT/health" "$OUT_DIR/chatserve.log"
+wait_ready llama.cpp "http://127.0.0.1:$LC_PORT/v1/models" "$OUT_DIR/llamacpp.log"
 log "both servers up; results go to $OUT_DIR"
 
 # llama.cpp stops at end-of-generation tokens; chatserve gets ignore_eos. Bias every EOG id away.

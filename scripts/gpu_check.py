@@ -3,7 +3,8 @@
 
     python scripts/gpu_check.py                 # everything, one table at the end
     python scripts/gpu_check.py --json out.json # ... and the rows as JSON
-    python scripts/gpu_check.py --sections kernels,timings   # skip the engine part
+    python scripts/gpu_check.py --sections kernels,timings   # skip the engine parts
+    python scripts/gpu_check.py --sections invariance        # batch- and cache-invariance only
     python scripts/gpu_check.py --smoke         # dry run of this script on a CPU (see below)
 
 Sections:
@@ -18,13 +19,31 @@ Sections:
            transformers (no download) and saved to a temporary folder with a synthetic
            tokenizer; output tokens/s of chatserve (Triton attention, then the torch
            reference) at concurrency 1 and 64 beside transformers' generate on the same weights.
+  invariance  does a request's result depend on what runs beside it (issue 20)? Reported, not
+           asserted, except as below. Kernel level, bf16 and fp32: a Triton attention row alone vs
+           inside a bigger decode launch (with and without a long context that changes the split
+           count), a prefill's last rows vs the same rows as a chunk over cached keys, that chunk
+           alone vs in a ragged batch, the last prompt row by the extend vs the decode kernel (bitwise
+           equal? max |diff|); and row 0 of F.linear / torch.matmul alone vs in M rows (cuBLAS picks
+           its kernel by M: not batch-invariant in general). Engine level, Triton attention, greedy,
+           bf16 and fp32, the random Qwen-shaped model, 8 prompts (a shared prefix) x 64 tokens
+           (--invariance-prompts/--invariance-tokens): (1) each alone with an empty cache, (2) each
+           again from the prefix cache, (3) all in one batch, (4) mixed with 2 long prompts prefilled
+           in chunks beside them, (5) in one batch with other chunk sizes (max_num_batched_tokens
+           64, 32 while decoding); per scenario how many replies are token-identical to (1) and how
+           many have bitwise-equal chosen-token logprobs, and the first divergence of each. (2) or
+           (3) whose tokens differ from (1) is a MISMATCH row (the CPU path's CI guarantee, see
+           tests/test_determinism.py); it fails the run only with --strict-invariance.
 
 Every part is guarded: an exception is printed and becomes an ERROR row, and the run goes
 on; parts that would pass the time budget (--budget-s) are skipped and say so. Exit status:
-0 all checks passed, 1 a correctness check failed or a part raised, 2 no CUDA device.
+0 all checks passed, 1 a correctness check failed or a part raised (or, with
+--strict-invariance, an invariance MISMATCH), 2 no CUDA device.
 
 --smoke runs the same code on the CPU with Triton's interpreter and tiny sizes (a tiny model
-instead of Qwen's shapes): it checks this script, not the GPU, and its numbers mean nothing.
+instead of Qwen's shapes, 8 tokens a reply): it checks this script, not the GPU, and its numbers
+mean nothing (the interpreter's tl.dot is numpy's matmul, whose bits for a row depend on the row's
+place in the tile; CPU F.linear is not the engine's C++ kernel).
 """
 
 from __future__ import annotations
@@ -66,6 +85,8 @@ TINY_MODEL = dict(  # --smoke only
     tie_word_embeddings=True, use_sliding_window=False, head_dim=16,
 )
 
+SECTIONS = ("kernels", "timings", "engine", "invariance")
+
 LEGEND = """\
 Columns by section:
   env      chatserve = value
@@ -77,7 +98,14 @@ Columns by section:
            (heads repeated); microseconds, median; verdict = speed-ups of Triton
   engine   output tokens/s (prompt + decode wall time): chatserve = Triton attention,
            reference = chatserve with the torch reference attention, baseline = transformers
-           generate (SDPA, same weights, bf16); verdict = chatserve / transformers"""
+           generate (SDPA, same weights, bf16); verdict = chatserve / transformers
+  invariance  attention / matmul: chatserve = a row computed alone vs in the bigger launch
+           (bitwise equal or differs), reference = max |diff| (matmul: torch.matmul's
+           result), baseline = what changed (split counts, settings); info only.
+           engine (Triton attention, greedy): chatserve = replies token-identical to (1) and
+           with bitwise-equal chosen-token logprobs, reference = earliest divergence of each,
+           baseline = what the scenario did; (2) and (3) whose tokens differ from (1) say
+           MISMATCH (what the CPU path proves in CI)"""
 
 
 @dataclass
@@ -94,6 +122,7 @@ class Report:
     def __init__(self, budget_s: float) -> None:
         self.rows: list[Row] = []
         self.failed = False
+        self.mismatches = 0  # invariance rows marked MISMATCH: a report, failing the run only with --strict-invariance
         self.start = time.monotonic()
         self.budget_s = budget_s
 
@@ -102,6 +131,8 @@ class Report:
         print(f"  [{row.section}] {row.case}: {row.chatserve} | {row.reference} | {row.baseline} | {row.verdict}", flush=True)
         if row.verdict.startswith(("FAIL", "ERROR")):
             self.failed = True
+        if row.verdict.startswith("MISMATCH"):
+            self.mismatches += 1
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -544,6 +575,288 @@ def section_engine(ctx: Ctx, args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# invariance: does a request's result depend on what else runs beside it? (issue 20)
+# ------------------------------------------------------------------------------------------------
+
+INVARIANCE_SHAPE = ("qwen2.5-0.5b 14q/2kv d64", 14, 2, 64, 16)  # (name, query heads, KV heads, head_dim, block size)
+SCENARIOS = {
+    1: "each alone, empty cache",
+    2: "each again, from the prefix cache",
+    3: "all in one batch",
+    4: "one batch mixed with 2 long prompts prefilled in chunks",
+    5: "all in one batch, other chunk sizes",
+}
+# (1) vs (2) vs (3) is what the CPU path proves in CI (tests/test_determinism.py): these mismatches are marked
+STRICT_SCENARIOS = (2, 3)
+
+
+def bitwise(a, b) -> tuple[str, str]:
+    """('bitwise equal' | 'differs', 'max |diff| ...') of two tensors of the same shape."""
+    import torch
+
+    if torch.equal(a, b):
+        return "bitwise equal", "max |diff| 0"
+    return "differs", f"max |diff| {(a.double() - b.double()).abs().max().item():.2e}"
+
+
+def attention_row_invariance(ctx: Ctx, dtype_name: str) -> None:
+    """One sequence's attention rows computed alone, inside bigger batches and over cached keys.
+
+    Decode: the split count is chosen for the whole launch (choose_num_splits: batch size and the
+    longest context), and a row's keys are cut at ctx_len / num_splits, so a long neighbour can
+    change how a short row is reduced. Extend: every tile walks its keys in BLOCK_N steps from
+    position 0 whatever the chunk or the batch, so its rows are expected to keep their bits.
+    """
+    import torch
+
+    name, heads, kv_heads, head_dim, block_size = INVARIANCE_SHAPE
+    dtype = dtype_of(dtype_name)
+    rng = random.Random(2020)
+    torch.manual_seed(2020)
+    # the interpreter splits at 256 keys (not 1,024) with a target of 4 programs: sizes that move the split count there too
+    length, longest, chunk = ctx.size(700, 300), ctx.size(4096, 600), ctx.size(64, 8)
+    same_len = [length + rng.randint(-16, 16) for _ in range(ctx.size(7, 3))]
+    short = [rng.randint(chunk + 1, length) for _ in range(ctx.size(6, 2))]
+    lens = [length, *same_len, *short, longest]
+    cache = PagedCache(blocks_needed(lens, block_size), block_size, kv_heads, head_dim, dtype, rng, ctx.device)
+    tables = cache.padded_tables([cache.table_for(n) for n in lens])
+    scale = head_dim**-0.5
+    tk = ctx.tk
+
+    def dec(rows: list[int], q):
+        context = torch.tensor([lens[i] for i in rows], dtype=torch.int64, device=ctx.device)
+        max_len = max(lens[i] for i in rows)
+        splits = tk.choose_num_splits(len(rows), kv_heads, max_len, q.device)
+        return tk.paged_decode_attention(q, cache.k, cache.v, tables[rows], context, scale, max_len=max_len), splits
+
+    def ext(specs: list[tuple[int, int, Any]]):
+        """specs: (row in tables, prefix, queries of the new tokens); returns the packed output."""
+        rows = [r for r, _, _ in specs]
+        qsl = torch.tensor([0, *itertools.accumulate(q.shape[0] for _, _, q in specs)], dtype=torch.int64, device=ctx.device)
+        seq_lens = torch.tensor([p + q.shape[0] for _, p, q in specs], dtype=torch.int64, device=ctx.device)
+        q = torch.cat([q for _, _, q in specs])
+        return tk.paged_extend_attention(q, cache.k, cache.v, tables[rows], qsl, seq_lens, scale,
+                                         max_query_len=max(q.shape[0] for _, _, q in specs))
+
+    def add(case: str, a, b, note: str) -> None:
+        ctx.sync()
+        equal, diff = bitwise(a, b)
+        ctx.report.add(Row("invariance", f"attention {dtype_name} {case}", equal, diff, note, "info"))
+
+    # decode: row 0 (context `length`) alone, beside rows of about its length, beside those and a long context
+    qd = torch.randn(len(lens), heads, head_dim, device=ctx.device).to(dtype)
+    alone, s1 = dec([0], qd[:1])
+    same_rows = list(range(1 + len(same_len)))
+    in_same, s2 = dec(same_rows, qd[same_rows])
+    in_all, s3 = dec(list(range(len(lens))), qd)
+    add(f"decode row (ctx {length}) alone vs in B={len(same_rows)} of similar contexts", alone[0], in_same[0],
+        f"splits {s1} vs {s2}")
+    add(f"decode row (ctx {length}) alone vs in B={len(lens)} with a ctx {longest}", alone[0], in_all[0], f"splits {s1} vs {s3}")
+
+    # extend: the sequence's last `chunk` tokens in one whole prefill, as a chunk over its cached prefix, the same
+    # chunk beside other sequences' chunks, and its last token as a decode
+    qe = torch.randn(length, heads, head_dim, device=ctx.device).to(dtype)
+    whole = ext([(0, 0, qe)])[length - chunk:]
+    over_cache = ext([(0, length - chunk, qe[length - chunk:])])
+    news = [min(n, lens[i]) for i, n in zip(range(1 + len(same_len), len(lens) - 1), itertools.cycle((chunk, 1, 3 * chunk)))]
+    others = [(i, lens[i] - n, torch.randn(n, heads, head_dim, device=ctx.device).to(dtype))
+              for i, n in zip(range(1 + len(same_len), len(lens) - 1), news)]
+    mixed = ext([others[0], (0, length - chunk, qe[length - chunk:]), *others[1:]])
+    start = others[0][2].shape[0]
+    last_as_decode, s4 = dec([0], qe[-1:])
+    add(f"extend last {chunk} rows of a {length}-token prefill vs the same rows over {length - chunk} cached keys",
+        whole, over_cache, "BLOCK_N key steps from 0 in both")
+    add(f"extend chunk over cached keys alone vs in a ragged batch of {len(others) + 1}", over_cache,
+        mixed[start:start + chunk], "same chunk, other sequences beside it")
+    add(f"last prompt row: extend (prefill) vs decode kernel over the same {length} keys", whole[-1:], last_as_decode,
+        f"decode splits {s4}; tiles of {heads // kv_heads} heads x tokens vs 16 heads")
+
+
+def matmul_row_invariance(ctx: Ctx, dtype_name: str) -> None:
+    """Row 0 of x @ W^T alone vs inside M rows: cuBLAS picks its kernel (tiles, split-K) by M, so the
+    engine's linear layers on CUDA may give a row other bits in a bigger batch. Reported, not asserted."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = dtype_of(dtype_name)
+    gen = torch.Generator(device=ctx.device).manual_seed(7)
+    k, n = ctx.size(896, 64), ctx.size(4864, 96)  # Qwen2.5-0.5B's MLP up projection
+    ms = ctx.size((2, 8, 64, 512, 2048), (2, 8, 64))
+    w = (torch.randn(n, k, device=ctx.device, generator=gen) / k**0.5).to(dtype)
+    x = torch.randn(max(ms), k, device=ctx.device, generator=gen).to(dtype)
+    lin_alone, mm_alone = F.linear(x[:1], w), torch.matmul(x[:1], w.t())
+    note = ""
+    if ctx.device.type == "cuda":
+        note = (f"tf32 {torch.backends.cuda.matmul.allow_tf32}, reduced-precision bf16 reduction "
+                f"{torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}")
+    for m in ms:
+        lin, mm = F.linear(x[:m], w)[:1], torch.matmul(x[:m], w.t())[:1]
+        ctx.sync()
+        lin_eq, lin_diff = bitwise(lin_alone, lin)
+        mm_eq, mm_diff = bitwise(mm_alone, mm)
+        ctx.report.add(Row("invariance", f"matmul {dtype_name} [M x {k}] @ [{k} x {n}]: row 0 alone vs in M={m}",
+                           f"F.linear {lin_eq} ({lin_diff})", f"torch.matmul {mm_eq} ({mm_diff})", note, "info"))
+
+
+class LayoutSpy:
+    """Counts what the attention backend was given each step: prefill chunks that continue a prompt
+    and steps that mix decodes with prefill chunks (proof that scenario (4) chunked anything)."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.steps: list[tuple[int, list[tuple[int, int]]]] = []
+        self._prepare = backend.prepare
+        backend.prepare = self
+
+    def __call__(self, layout, device):
+        self.steps.append((layout.num_decodes, list(zip(layout.extend_start_positions, layout.extend_lens))))
+        return self._prepare(layout, device)
+
+    def restore(self) -> None:
+        self.backend.prepare = self._prepare
+
+    def describe(self) -> str:
+        continued = sum(1 for _, extends in self.steps for start, _ in extends if start > 0)
+        mixed = sum(1 for decodes, extends in self.steps if decodes and extends)
+        return f"{len(self.steps)} steps, {continued} chunks continuing a prompt, {mixed} steps with decodes + chunks"
+
+
+def invariance_llm(ctx: Ctx, folder: Path, dtype_name: str, max_model_len: int, num_seqs: int, batched: int,
+                   while_decoding: int):
+    """The engine of the invariance runs: Triton attention, the prefix cache on, the given chunk sizes."""
+    from chatserve import LLM
+
+    llm = LLM(
+        str(folder), dtype=dtype_name, device=str(ctx.device), attention_backend="triton", max_model_len=max_model_len,
+        kv_cache_memory_gb=4.0 if not ctx.smoke else 0.05, max_num_seqs=num_seqs, max_num_batched_tokens=batched,
+        max_prefill_tokens_while_decoding=while_decoding, enable_prefix_caching=True, cpu_kernels=False,
+    )
+    if llm.engine.attention_backend != "triton":
+        raise RuntimeError(f"asked for attention_backend='triton', the engine chose {llm.engine.attention_backend!r}")
+    return llm
+
+
+def release_memory() -> None:
+    """Collect what the caller just dropped (an engine, a model) before the next one loads."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def agreement(base: list[list[Any]], other: list[list[Any]]) -> tuple[int, str]:
+    """(replies identical to the base's, where the earliest divergence is); lists of token ids or of logprobs."""
+    same = sum(a == b for a, b in zip(base, other, strict=True))
+    diverged = [(common_prefix(a, b), i) for i, (a, b) in enumerate(zip(base, other)) if a != b]
+    if not diverged:
+        return same, "none differ"
+    pos, i = min(diverged)
+    return same, f"first at token {pos} (prompt {i})"
+
+
+def engine_invariance(ctx: Ctx, folder: Path, dtype_name: str, prompts: list[list[int]], longs: list[list[int]],
+                      output_len: int) -> None:
+    """Scenarios (1)-(5) of tests/test_determinism.py on the Triton path, greedy; one row each."""
+    from chatserve import SamplingParams
+
+    # NOTE: logprobs=0 returns each chosen token's logprob: equal floats are equal bits, so a run whose tokens
+    # still agree but whose numbers moved shows it (random weights keep a wide argmax margin for a while)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, logprobs=0)
+    max_model_len = max(len(p) for p in prompts + longs) + output_len + 32
+    batched, while_decoding = ctx.size(2048, 64), ctx.size(96, 16)
+    other_batched, other_while_decoding = ctx.size(64, 16), ctx.size(32, 8)
+    runs: dict[int, list[tuple[list[int], list[float]]]] = {}  # scenario -> per prompt (token ids, their logprobs)
+    notes: dict[int, str] = {}
+
+    def reply(out) -> tuple[list[int], list[float]]:
+        c = out.outputs[0]
+        return list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [], strict=True)]
+
+    def tokens(outs) -> list[tuple[list[int], list[float]]]:
+        return [reply(o) for o in outs]
+
+    num_seqs = len(prompts) + len(longs)  # (4) admits every request at once
+    llm = invariance_llm(ctx, folder, dtype_name, max_model_len, num_seqs, batched, while_decoding)
+    try:
+        runs[1], runs[2], hits = [], [], 0
+        for p in prompts:
+            llm.engine.reset_prefix_cache()
+            first, again = (llm.generate([{"prompt_token_ids": p}], params)[0] for _ in range(2))
+            if first.num_cached_tokens:
+                raise RuntimeError(f"(1) found {first.num_cached_tokens} cached tokens after reset_prefix_cache()")
+            runs[1].append(reply(first))
+            runs[2].append(reply(again))
+            hits += again.num_cached_tokens
+        notes[1] = f"{len({tuple(t) for t, _ in runs[1]})} distinct replies; max_num_batched_tokens={batched}"
+        notes[2] = f"{hits}/{sum(len(p) for p in prompts)} prompt tokens from the cache"
+        llm.engine.reset_prefix_cache()
+        runs[3] = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
+        notes[3] = f"B={len(prompts)}, empty cache"
+        llm.engine.reset_prefix_cache()
+        spy = LayoutSpy(llm.engine.runner.attention_backend)
+        try:
+            long_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in longs + prompts], [long_params] * len(longs) + [params] * len(prompts))
+        finally:
+            spy.restore()
+        runs[4] = tokens(outs[len(longs):])  # the long prompts asked for no logprobs
+        notes[4] = f"{len(longs)} x {len(longs[0])} tokens first; " + spy.describe()
+    finally:
+        del llm
+        release_memory()
+    llm = invariance_llm(ctx, folder, dtype_name, max_model_len, num_seqs, other_batched, other_while_decoding)
+    try:
+        runs[5] = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
+        notes[5] = f"max_num_batched_tokens={other_batched} (was {batched}), {other_while_decoding} while decoding (was {while_decoding})"
+    finally:
+        del llm
+        release_memory()
+
+    for k, label in SCENARIOS.items():
+        case = f"engine {dtype_name} ({k}) {label}"
+        if k == 1:
+            ctx.report.add(Row("invariance", case, f"{len(prompts)} prompts x {output_len} tokens", "", notes[1], "the baseline"))
+            continue
+        same, where = agreement([t for t, _ in runs[1]], [t for t, _ in runs[k]])
+        same_lp, where_lp = agreement([lp for _, lp in runs[1]], [lp for _, lp in runs[k]])
+        n = len(prompts)
+        bits = "" if same_lp == n else "; logprobs differ"
+        if k in STRICT_SCENARIOS:
+            verdict = f"ok (identical{bits})" if same == n else "MISMATCH vs (1)"
+        else:
+            verdict = f"identical{bits} (info)" if same == n else "differs (info)"
+        ctx.report.add(Row("invariance", case, f"{same}/{n} token-identical to (1), {same_lp}/{n} logprob-identical",
+                           f"tokens: {where}; logprobs: {where_lp}", notes[k], verdict))
+
+
+def section_invariance(ctx: Ctx, args: argparse.Namespace) -> None:
+    report = ctx.report
+    for dtype_name in ("bfloat16", "float32"):
+        report.guarded("invariance", f"attention rows {dtype_name}", lambda d=dtype_name: attention_row_invariance(ctx, d), needs_s=10)
+        report.guarded("invariance", f"matmul rows {dtype_name}", lambda d=dtype_name: matmul_row_invariance(ctx, d), needs_s=5)
+    vocab = (TINY_MODEL if ctx.smoke else QWEN_05B)["vocab_size"]
+    rng = random.Random(20)
+    # a shared "system prompt" so the prefix cache and the batch's shared blocks come into play
+    shared = [rng.randrange(1, vocab) for _ in range(ctx.size(160, 16))]
+    prompts = [shared + [rng.randrange(1, vocab) for _ in range(rng.randint(*ctx.size((8, 120), (3, 12))))]
+               for _ in range(args.invariance_prompts)]
+    longs = [[rng.randrange(1, vocab) for _ in range(ctx.size(3000, 90))] for _ in range(2)]
+    output_len = ctx.size(args.invariance_tokens, min(args.invariance_tokens, 8))
+    with tempfile.TemporaryDirectory(prefix="chatserve-gpu-invariance-") as tmp:
+        folder = Path(tmp)
+        def build() -> None:  # the transformers copy is dropped on return (the guard collects it); engines load the folder
+            build_model_folder(ctx, folder, seed=1)
+
+        report.guarded("invariance", "random model", build, needs_s=20)
+        if not (folder / "config.json").exists():
+            return
+        for dtype_name in ("bfloat16", "float32"):
+            report.guarded("invariance", f"engine {dtype_name}", lambda d=dtype_name: engine_invariance(
+                ctx, folder, d, prompts, longs, output_len), needs_s=ctx.size(90, 30))
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def section_env(ctx: Ctx) -> None:
@@ -566,15 +879,25 @@ def section_env(ctx: Ctx) -> None:
         report.add(Row("env", "transformers", "not installed"))
 
 
+def exit_status(report: Report, *, strict_invariance: bool) -> int:
+    """1 when a check failed or a part raised; invariance MISMATCH rows count only when strict."""
+    return 1 if report.failed or (strict_invariance and report.mismatches) else 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="kernels,timings,engine", help="comma list of: kernels, timings, engine")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)}")
     p.add_argument("--prompt-len", type=int, default=512, help="engine prompt length in tokens (default 512)")
     p.add_argument("--output-len", type=int, default=128, help="engine output tokens per request (default 128)")
     p.add_argument("--concurrency", default="1,64", help="engine concurrencies (default 1,64)")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--skip-torch-engine", action="store_true", help="skip chatserve with the torch reference attention")
+    p.add_argument("--invariance-prompts", type=int, default=8, help="invariance: prompts per scenario (default 8)")
+    p.add_argument("--invariance-tokens", type=int, default=64, help="invariance: greedy tokens per prompt (default 64; "
+                   "--smoke: at most 8)")
+    p.add_argument("--strict-invariance", action="store_true", help="exit 1 when (2) or (3) of the invariance "
+                   "section differs from (1) (default: a MISMATCH row, reported, exit status unchanged)")
     p.add_argument("--budget-s", type=float, default=420.0, help="time budget in seconds (default 420); parts that "
                    "would pass it are skipped")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -585,9 +908,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    unknown = sections - {"kernels", "timings", "engine"}
+    unknown = sections - set(SECTIONS)
     if unknown:
-        print(f"gpu_check: unknown sections {sorted(unknown)}; choose from kernels, timings, engine", file=sys.stderr)
+        print(f"gpu_check: unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    if args.invariance_prompts < 1 or args.invariance_tokens < 1:
+        print("gpu_check: --invariance-prompts and --invariance-tokens must be >= 1", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -630,14 +956,18 @@ def main(argv: list[str] | None = None) -> int:
         section_timings(ctx)
     if "engine" in sections:
         report.guarded("engine", "engine section", lambda: section_engine(ctx, args), needs_s=90)
+    if "invariance" in sections:
+        report.guarded("invariance", "invariance section", lambda: section_invariance(ctx, args), needs_s=30)
     summary = "FAILED (see rows marked FAIL/ERROR)" if report.failed else "all checks ok"
+    if report.mismatches:
+        summary += f"; {report.mismatches} invariance MISMATCH row(s)"
     report.rows.append(Row("env", "gpu_check wall time", f"{report.elapsed():.0f} s", "", "", summary))
 
     print("\n" + LEGEND + "\n")
     print(report.table())
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in report.rows], indent=1))
-    return 1 if report.failed else 0
+    return exit_status(report, strict_invariance=args.strict_invariance)
 
 
 if __name__ == "__main__":

@@ -105,23 +105,40 @@ def test_abort_storm_against_chatserve(server: ServerProcess, tmp_path: Path) ->
 
 
 # ---- a plain OpenAI-compatible server without chatserve's extras --------------------------------------
-def _plain_openai_app():
+class RequestLog:
+    """What the plain server saw: every chat body, and the most chat streams open at once."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.open = 0
+        self.max_open = 0
+
+
+def _plain_openai_app(log: RequestLog | None = None):
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
+    log = log or RequestLog()
+
     async def chat(request):
         body = await request.json()
         n = int(body.get("max_tokens") or 4)
+        log.bodies.append(body)
 
         async def events():
             import asyncio
 
-            for i in range(n):
-                await asyncio.sleep(0.005)
-                chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [
-                    {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n"
+            log.open += 1
+            log.max_open = max(log.max_open, log.open)
+            try:
+                for i in range(n):
+                    await asyncio.sleep(0.005)
+                    chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [
+                        {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            finally:
+                log.open -= 1
             done = {"id": "x", "object": "chat.completion.chunk",
                     "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
             yield f"data: {json.dumps(done)}\n\n"
@@ -135,16 +152,30 @@ def _plain_openai_app():
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)])
 
 
-@pytest.fixture()
-def plain_server():
+def _serve(app):
     import uvicorn
 
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(_plain_openai_app(), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     wait_until(lambda: srv.started, 20, "uvicorn to start")
-    yield f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", srv, thread
+
+
+@pytest.fixture()
+def plain_server():
+    url, srv, thread = _serve(_plain_openai_app())
+    yield url
+    srv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture()
+def recording_server():
+    log = RequestLog()
+    url, srv, thread = _serve(_plain_openai_app(log))
+    yield url, log
     srv.should_exit = True
     thread.join(10)
 
@@ -169,3 +200,36 @@ def test_degrades_on_a_plain_openai_server(plain_server: str, tmp_path: Path) ->
     assert a["abort"]["issued"] == 8 and a["abort"]["issued_by_mode"]["disconnect"] == 8
     assert a["abort"]["cancel_endpoint"].startswith("unsupported")
     assert a["abort"]["server_metrics"] is None
+
+
+def test_fixed_and_ttft_workloads(recording_server: tuple[str, RequestLog], tmp_path: Path) -> None:
+    url, log = recording_server
+    d = run_bench(url, tmp_path, "fixed", "--workload", "fixed", "--num-requests", "6", "--concurrency", "3",
+                  "--prompt-tokens", "80", "--max-tokens", "5", "--warmup", "0")
+    check_common(d, "fixed", 6)
+    assert d["num_completed"] == 6 and all(r["num_chunks"] == 5 for r in d["requests"])  # exactly max_tokens
+    assert log.max_open == 3  # all at the concurrency asked for
+    # The burst's slowest first token came after every other request's and before the run ended.
+    assert max(r["ttft_ms"] for r in d["requests"]) <= d["all_first_tokens_ms"] <= d["duration_s"] * 1e3
+    assert d["decode_tokens_per_s"] == pytest.approx(1e3 / d["tpot_ms"]["p50"], rel=0.01)
+
+    # No two prompts of a run, nor of two runs with the same seed, start alike: a prefix cache cannot help.
+    first = [b["messages"][0]["content"] for b in log.bodies]
+    assert len(set(first)) == 6 and all(b["messages"][0]["role"] == "system" for b in log.bodies)
+    assert all(b["max_tokens"] == 5 and b["ignore_eos"] is True for b in log.bodies)
+    fixed_texts = {b["messages"][1]["content"] for b in log.bodies}
+    assert len(fixed_texts) == 6
+    assert all(300 < len(w) < 600 for w in fixed_texts)  # ~80 tokens of ~4.9 characters
+
+    log.bodies.clear()
+    log.max_open = 0
+    t = run_bench(url, tmp_path, "ttft", "--workload", "ttft", "--num-requests", "3", "--concurrency", "4",
+                  "--prompt-tokens", "80", "--max-tokens", "2", "--warmup", "0")
+    check_common(t, "ttft", 3)
+    assert log.max_open == 1  # one at a time whatever --concurrency says, and the run says so
+    assert any("one request at a time" in n for n in t["settings"]["notes"])
+    assert t["ttft_ms_min"] == min(r["ttft_ms"] for r in t["requests"])
+    assert t["ttft_ms_min"] <= t["ttft_ms"]["p50"]
+    assert not {b["messages"][0]["content"] for b in log.bodies} & set(first)  # a new run id, new prompts
+    # The same seed gives the same text after the distinct system message.
+    assert {b["messages"][1]["content"] for b in log.bodies} <= fixed_texts

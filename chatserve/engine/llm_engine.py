@@ -84,7 +84,7 @@ class LLMEngine:
         # auto: Triton on CUDA, the torch path (with the C++ kernels where they apply) on the CPU
         ops = select_layer_ops(
             dtype=self.dtype, device=self.device, attention_backend=args.attention_backend,
-            cpu_kernels=args.cpu_kernels, amx=args.amx,
+            cpu_kernels=args.cpu_kernels, amx=args.amx, quantization=args.quantization, is_gguf=self.source.is_gguf,
             head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         )
         self.attention_backend = ops.attention.name  # "torch", "cpu" or "triton"

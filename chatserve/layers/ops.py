@@ -16,6 +16,7 @@ from chatserve.attention import select_attention_backend
 from chatserve.attention.base import AttentionBackend
 from chatserve.kernels.cpu_gemv import CpuKernels, load_cpu_kernels
 from chatserve.layers.linear import LinearMethod, select_linear_method
+from chatserve.layers.quantized_linear import select_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class LayerOps:
     linear: LinearMethod  # every matmul's weight layout and kernel
     attention: AttentionBackend  # store K/V and attend over the paged cache
     cpu: CpuKernels | None = None  # the C++ bf16 norm, rotary and silu*up kernels; None = torch ops
+    gguf_qtypes: frozenset[int] = frozenset()  # GGUF tensor types the loader hands `linear` undecoded
 
     def release_memory(self) -> None:
         """Freed heap pages back to the OS (glibc malloc_trim), where the C++ kernels are loaded."""
@@ -39,7 +41,7 @@ class LayerOps:
 
 def select_layer_ops(
     *, dtype: torch.dtype, device: torch.device, attention_backend: str, cpu_kernels: bool, amx: bool,
-    head_dim: int, num_heads: int, num_kv_heads: int,
+    head_dim: int, num_heads: int, num_kv_heads: int, quantization: str = "none", is_gguf: bool = False,
 ) -> LayerOps:
     """The C++ kernels where asked for and where they apply (a bf16 model on an AVX512-BF16 CPU),
     the matmul method that goes with them, and the attention backend."""
@@ -50,6 +52,8 @@ def select_layer_ops(
         attention_backend, device, kernels=kernels if attention_backend != "triton" else None,
         head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
     )
-    ops = LayerOps(linear=select_linear_method(dtype, device, kernels), attention=attention, cpu=kernels)
+    quant = select_quantization(quantization, is_gguf=is_gguf, dtype=dtype, device=device, kernels=kernels)
+    linear = quant.method or select_linear_method(dtype, device, kernels)
+    ops = LayerOps(linear=linear, attention=attention, cpu=kernels, gguf_qtypes=quant.keep_qtypes)
     logger.info("%s", ops.describe())
     return ops

@@ -13,7 +13,9 @@ so the values are bit-identical to transformers'.
 
 from __future__ import annotations
 
+import logging
 import mmap
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -211,16 +215,22 @@ def _unpermute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def iter_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype,
+                      keep_qtypes: frozenset[int] = frozenset()) -> Iterator[tuple[str, Any]]:
     """Yield ``(HF parameter name, tensor in dtype)`` for every mapped tensor of a GGUF file, in file order.
 
     Names and values equal transformers' ``load_gguf_checkpoint(return_tensors=True)``; tensors
     without an HF counterpart (e.g. ``rope_freqs``) are skipped, as transformers does.
+
+    A matmul weight (and a tied token embedding, which the lm_head shares) whose ggml type is in
+    `keep_qtypes` is yielded as a `QuantizedTensor` instead: its blocks copied out of the mmap, q/k
+    rows un-permuted (the permutation moves whole rows, and a row's blocks run along K), nothing
+    de-quantised. Other quantized types are then de-quantised, with one log line naming them.
     """
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        yield from _iter_tensors(path, buf, hf_config, dtype)
+        yield from _iter_tensors(path, buf, hf_config, dtype, keep_qtypes)
     finally:
         try:
             buf.close()
@@ -228,7 +238,35 @@ def iter_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype) -> Iterator
             pass
 
 
-def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+_PLAIN_TYPES = frozenset({0, 1, 28, 30})  # F32, F16, F64, BF16: stored as values, converted as before
+
+
+def _keeps_blocks(hf_name: str, info: GGUFTensorInfo, hf_config: Any) -> bool:
+    """Whether this tensor can stay in blocks at all: a 2-D matmul weight, or the token embedding of
+    a tied model (its rows are then read back from the lm_head's copy)."""
+    if len(info.shape) != 2 or not hf_name.endswith(".weight") or info.ggml_type in _PLAIN_TYPES:
+        return False
+    if hf_name == "model.embed_tokens.weight":
+        return bool(getattr(hf_config, "tie_word_embeddings", False))
+    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+
+
+def _log_fallbacks(path: str, header: GGUFHeader, names: dict[str, str], hf_config: Any, keep_qtypes: frozenset[int]) -> None:
+    """One line naming the quantized types of this file that are de-quantised at load, and how many tensors."""
+    from collections import Counter
+
+    from gguf import GGMLQuantizationType
+
+    fallback = Counter(GGMLQuantizationType(info.ggml_type).name for info in header.tensors
+                       if info.name in names and _keeps_blocks(names[info.name], info, hf_config)
+                       and info.ggml_type not in keep_qtypes)
+    if fallback:
+        listed = ", ".join(f"{name} ({n} tensor{'s' if n > 1 else ''})" for name, n in sorted(fallback.items()))
+        logger.warning("%s: de-quantised at load, no quantized kernel for: %s", os.path.basename(path), listed)
+
+
+def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype,
+                  keep_qtypes: frozenset[int] = frozenset()) -> Iterator[tuple[str, Any]]:
     from gguf import GGMLQuantizationType, dequantize
 
     header = read_gguf_header(buf)
@@ -244,10 +282,15 @@ def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype)
     # NOTE: like transformers, head counts come from the GGUF metadata, and without both no un-permute happens.
     n_head, n_kv_head = md.get(f"{arch}.attention.head_count"), md.get(f"{arch}.attention.head_count_kv")
     unpermute = SUPPORTED_ARCHS[arch] and n_head is not None and n_kv_head is not None
+    if keep_qtypes:
+        _log_fallbacks(path, header, names, hf_config, keep_qtypes)
 
     for info in header.tensors:
         hf_name = names.get(info.name)
         if hf_name is None:
+            continue
+        if info.ggml_type in keep_qtypes and _keeps_blocks(hf_name, info, hf_config):
+            yield hf_name, _quantized(buf, info, unpermute, n_head, n_kv_head)
             continue
         weights = dequantize(_raw_array(buf, info), GGMLQuantizationType(info.ggml_type))
         if unpermute and ".attn_q." in info.name:
@@ -260,3 +303,16 @@ def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype)
         del weights
         yield hf_name, tensor
         del tensor
+
+
+def _quantized(buf: mmap.mmap, info: GGUFTensorInfo, unpermute: bool, n_head: Any, n_kv_head: Any) -> Any:
+    """The tensor's blocks as a `QuantizedTensor` (uint8 rows copied out of the mmap, q/k rows un-permuted)."""
+    from chatserve.layers.quantized_linear import QuantizedTensor
+
+    raw = _raw_array(buf, info)  # uint8 [N, row_bytes], a view of the mmap
+    if unpermute and ".attn_q." in info.name:
+        raw = _unpermute_qk(raw, int(n_head))
+    elif unpermute and ".attn_k." in info.name:
+        raw = _unpermute_qk(raw, int(n_kv_head))
+    n, k = info.shape
+    return QuantizedTensor(torch.from_numpy(np.array(raw, copy=True)), info.ggml_type, n, k)

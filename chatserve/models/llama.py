@@ -17,6 +17,7 @@ from chatserve.config import ModelConfig
 from chatserve.layers.activation import SiluAndMul
 from chatserve.layers.linear import Linear
 from chatserve.layers.norm import RMSNorm
+from chatserve.layers.quantized_linear import QuantizedTensor
 from chatserve.layers.ops import LayerOps
 from chatserve.layers.rotary import QKRotary, RotaryEmbedding
 from chatserve.worker.forward_batch import ForwardBatch
@@ -144,8 +145,12 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.embed_tokens = self.lm_head.method.tied_embedding(self.lm_head, self.embed_tokens)
         self.ops.release_memory()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled.
+
+        A `QuantizedTensor` (GGUF blocks the loader kept) goes to its Linear's method at its row
+        offset in the merged weight, and the plain weight is never written; a tied model's quantized
+        token embedding becomes the lm_head's (the embedding then reads its rows from that copy)."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
         cfg = self.config
@@ -165,6 +170,26 @@ class LlamaFamilyForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} in checkpoint for {cfg.architecture}")
             param = params[name]
+            if isinstance(tensor, QuantizedTensor):
+                tied_embedding = name == "embed_tokens.weight" and cfg.tie_word_embeddings
+                layer = self.lm_head if tied_embedding else self.get_submodule(name.removesuffix(".weight"))
+                load = getattr(layer.method, "load_quantized", None) if isinstance(layer, Linear) else None
+                if load is None:  # a method without quantized kernels: de-quantise here
+                    tensor = tensor.dequantize()
+                else:
+                    start = 0
+                    if shard is not None:
+                        sizes = qkv_sizes if "qkv_proj" in name else [cfg.intermediate_size] * 2
+                        start = sum(sizes[:shard])
+                        if tensor.n != sizes[shard]:
+                            raise ValueError(f"weight {hf_name!r} has shape {tensor.shape}, expected ({sizes[shard]}, {tensor.k})")
+                        filled.add(f"{name}#{shard}")
+                    else:
+                        if tensor.shape != tuple(param.shape):
+                            raise ValueError(f"weight {hf_name!r} has shape {tensor.shape}, expected {tuple(param.shape)}")
+                        filled.update((name, "lm_head.weight") if tied_embedding else (name,))
+                    load(layer, start, tensor)
+                    continue
             with torch.no_grad():
                 if shard is None:
                     _copy(param, tensor, hf_name)
@@ -174,7 +199,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                     start = sum(sizes[:shard])
                     _copy(param.narrow(0, start, sizes[shard]), tensor, hf_name)
                     filled.add(f"{name}#{shard}")
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and "lm_head.weight" not in filled:
             self.lm_head.weight = self.embed_tokens.weight  # shared until process_weights
             filled.add("lm_head.weight")
         missing = []

@@ -184,13 +184,15 @@ def eos_token_ids(source: ModelSource, config: ModelConfig, tokenizer: Any) -> t
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def iter_weights(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_parameter_name, tensor)`` one tensor at a time, converted to `dtype`.
+def iter_weights(source: ModelSource, hf_config: Any, dtype: torch.dtype,
+                 keep_qtypes: frozenset[int] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """Yield ``(hf_parameter_name, tensor)`` one tensor at a time, converted to `dtype`; GGUF
+    matmul weights of a type in `keep_qtypes` come as a `QuantizedTensor` (their blocks, undecoded).
 
     Streaming keeps peak memory near one copy of the model.
     """
     if source.is_gguf:
-        yield from _iter_gguf(source, hf_config, dtype)
+        yield from _iter_gguf(source, hf_config, dtype, keep_qtypes)
     else:
         yield from _iter_safetensors(Path(source.folder), dtype)
 
@@ -207,8 +209,8 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, t
                 yield name, f.get_tensor(name).to(dtype)
 
 
-def _iter_gguf(source: ModelSource, hf_config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream de-quantised tensors straight from the mmap'd file (same names and values as transformers)."""
+def _iter_gguf(source: ModelSource, hf_config: Any, dtype: torch.dtype, keep_qtypes: frozenset[int]) -> Iterator[tuple[str, Any]]:
+    """Stream tensors straight from the mmap'd file (de-quantised ones have transformers' names and values)."""
     from chatserve.models.gguf import iter_gguf_weights
 
-    yield from iter_gguf_weights(os.path.join(source.folder, source.gguf_file), hf_config, dtype)
+    yield from iter_gguf_weights(os.path.join(source.folder, source.gguf_file), hf_config, dtype, keep_qtypes)

@@ -52,7 +52,7 @@ class ModelRunner:
             model = model_cls(model_config, max_model_len, ops)
         model = model.to(dtype).to_empty(device=device)
         model.rotary = RotaryEmbedding(model_config.hf_config, model_config.head_dim, max_model_len).to(device)
-        model.load_weights(iter_weights(source, hf_config, dtype))
+        model.load_weights(iter_weights(source, hf_config, dtype, keep_qtypes=ops.gguf_qtypes))
         model.process_weights()
         self.model = model.eval()
         self.linear_impl = ops.linear.description

@@ -1,0 +1,180 @@
+"""The quantized matmul (csrc/quant_gemm.cpp, issue #21) over GGUF blocks and int8 per channel: for
+every format, `linear` has the bits of the bf16 matmul (csrc/bf16_gemm.cpp) over the weights that
+gguf's numpy de-quantisation gives, rounded to bf16, at every row count and row position, with and
+without bias; it is close to the fp32 product; `rows` and `dequantize` read those bf16 weights back
+exactly; bad inputs are refused by name.
+
+Raw blocks: gguf.quants.quantize where gguf implements it (Q4_0, Q4_1, Q8_0); Q4_K and Q6_K have no
+quantizer in gguf 0.19, so their blocks are random bytes with small finite fp16 d / dmin (every bit
+pattern of the quants and 6-bit / int8 scales is a valid block)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+
+from chatserve.kernels.cpu_gemv import load_cpu_kernels  # noqa: E402
+from chatserve.kernels.cpu_quant import (  # noqa: E402
+    BLOCK_VALUES,
+    QTYPE_INT8_CHANNEL,
+    SUPPORTED_QTYPES,
+    load_quant_kernels,
+)
+
+ROW_COUNTS = [1, 2, 3, 4, 7, 8, 17, 64, 100, 257, 1000]
+GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+              GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
+# N: a part-filled zmm column of 16 and register tile of 4 columns; K: an odd number of blocks
+SHAPES = {32: [(37, 96), (150, 224)], 256: [(37, 256), (70, 768)]}
+
+
+@pytest.fixture(scope="module")
+def quant():
+    kernels = load_quant_kernels()
+    if kernels is None:
+        pytest.skip("no AVX512-BF16 CPU or no compiler: quantized weights are de-quantised at load")
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def gemm():
+    kernels = load_cpu_kernels(amx=False)
+    if kernels is None or kernels.gemm is None:
+        pytest.skip("no batch-invariant bf16 matmul on this machine")
+    return kernels.gemm
+
+
+def _raw_blocks(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, row_bytes]: GGUF blocks of n rows of k values, as a file holds them."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+        raw = rng.integers(0, 256, size=(n, k // block, type_size), dtype=np.uint8)
+        scale = lambda: (rng.random((n, k // block)) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(n, -1, 2)  # noqa: E731
+        if qtype == GGMLQuantizationType.Q4_K:  # d, dmin first
+            raw[:, :, 0:2], raw[:, :, 2:4] = scale(), scale()
+        else:  # d last
+            raw[:, :, 208:210] = scale()
+        return raw.reshape(n, -1)
+    values = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    values[0, :block] = 0.0  # an all-zero block (d = 0)
+    return gguf_quants.quantize(values, qtype)
+
+
+def _case(qtype, n, k, seed):
+    rng = np.random.default_rng(seed)
+    raw = _raw_blocks(qtype, n, k, rng)
+    deq32 = torch.from_numpy(gguf_quants.dequantize(raw, qtype).reshape(n, k).copy())
+    return torch.from_numpy(raw.copy()), deq32
+
+
+def _check_matmul(quant, gemm, packed, qtype, n, k, w_bf16, w32, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(ROW_COUNTS), k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    ref_packed = gemm.pack(w_bf16)
+    for b in (None, bias):
+        full = quant.linear(x, packed, qtype, n, k, b)
+        assert full.shape == (x.shape[0], n) and full.dtype == torch.bfloat16
+        assert torch.equal(full, gemm.linear(x, ref_packed, b, n))
+        # close to the fp32 product over gguf's fp32 weights: the bf16 rounding of x . w products'
+        # weights (2^-9 relative each) and of the result; stated tolerance 2% of the largest output
+        ref = F.linear(x.float(), w32, None if b is None else b.float())
+        torch.testing.assert_close(full.float(), ref, atol=2e-2 * float(ref.abs().max()), rtol=1e-2)
+        for m in ROW_COUNTS:
+            assert torch.equal(quant.linear(x[:m], packed, qtype, n, k, b), full[:m]), f"M = {m}"
+        for i in (0, 5, 99, 640, 999):  # each row alone: the same bits as in the batch of 1000
+            assert torch.equal(quant.linear(x[i : i + 1], packed, qtype, n, k, b), full[i : i + 1]), f"row {i}"
+        # a strided view (a slice of a fused projection's output)
+        wide = torch.randn(9, k + 40, generator=gen).to(torch.bfloat16)
+        assert torch.equal(quant.linear(wide[:, 8 : 8 + k], packed, qtype, n, k, b),
+                           gemm.linear(wide[:, 8 : 8 + k].contiguous(), ref_packed, b, n))
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
+def test_gguf_formats_match_the_bf16_matmul_bit_for_bit(quant, gemm, qtype):
+    block = GGML_QUANT_SIZES[qtype][0]
+    for idx, (n, k) in enumerate(SHAPES[block]):
+        raw, w32 = _case(qtype, n, k, seed=int(qtype) * 10 + idx)
+        w_bf16 = w32.to(torch.bfloat16)
+        packed = quant.pack(raw, int(qtype), n, k)
+        assert packed.dtype == torch.uint8 and packed.numel() == quant.packed_nbytes(int(qtype), n, k)
+        assert torch.equal(quant.dequantize(packed, int(qtype), n, k), w_bf16)
+        ids = torch.tensor([n - 1, 0, 17, 17, n // 2])
+        assert torch.equal(quant.rows(packed, int(qtype), ids, n, k), w_bf16[ids])
+        _check_matmul(quant, gemm, packed, int(qtype), n, k, w_bf16, w32, seed=idx)
+
+
+def test_pack_into_an_arena_slice(quant):
+    qtype = GGMLQuantizationType.Q4_1
+    raw, w32 = _case(qtype, 70, 96, seed=3)
+    size = quant.packed_nbytes(int(qtype), 70, 96)
+    arena = torch.zeros(size + 128, dtype=torch.uint8)
+    view = arena[64 : 64 + size]
+    out = quant.pack(raw, int(qtype), 70, 96, out=view)
+    assert out.data_ptr() == view.data_ptr()
+    assert torch.equal(quant.dequantize(view, int(qtype), 70, 96), w32.to(torch.bfloat16))
+    assert not arena[:64].any() and not arena[64 + size :].any()
+
+
+def test_int8_per_channel(quant, gemm):
+    gen = torch.Generator().manual_seed(7)
+    for n, k in ((37, 96), (150, 224)):
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+        w32 = scale[:, None] * q.float()
+        w_bf16 = w32.to(torch.bfloat16)
+        packed = quant.pack_int8(q, scale)
+        assert packed.numel() == quant.packed_nbytes(QTYPE_INT8_CHANNEL, n, k)
+        assert torch.equal(quant.dequantize(packed, QTYPE_INT8_CHANNEL, n, k), w_bf16)
+        ids = torch.tensor([n - 1, 3, 0])
+        assert torch.equal(quant.rows(packed, QTYPE_INT8_CHANNEL, ids, n, k), w_bf16[ids])
+        _check_matmul(quant, gemm, packed, QTYPE_INT8_CHANNEL, n, k, w_bf16, w32, seed=n)
+
+
+def test_supported_types_and_blocks():
+    assert SUPPORTED_QTYPES == {2, 3, 8, 12, 14, QTYPE_INT8_CHANNEL}
+    for qtype in GGUF_TYPES:
+        assert BLOCK_VALUES[int(qtype)] == GGML_QUANT_SIZES[qtype][0]
+
+
+def test_bad_inputs_are_refused_by_name(quant):
+    qtype = int(GGMLQuantizationType.Q4_0)
+    raw, _ = _case(GGMLQuantizationType.Q4_0, 20, 64, seed=1)
+    packed = quant.pack(raw, qtype, 20, 64)
+    assert packed.numel() == quant.packed_nbytes(qtype, 20, 64) > 20 * 64 // 2
+    with pytest.raises(RuntimeError, match="multiple of the format's block"):
+        quant.packed_nbytes(qtype, 20, 48)
+    with pytest.raises(RuntimeError, match="multiple of the format's block"):
+        quant.pack(raw, int(GGMLQuantizationType.Q4_K), 20, 64)
+    with pytest.raises(RuntimeError, match="raw must be uint8"):
+        quant.pack(raw.to(torch.int8), qtype, 20, 64)
+    with pytest.raises(RuntimeError, match=r"raw must be \[N = 21"):
+        quant.pack(raw, qtype, 21, 64)
+    with pytest.raises(RuntimeError, match="qtype 6 is not supported"):
+        quant.pack(raw, 6, 20, 64)
+    with pytest.raises(RuntimeError, match=f"out must be a contiguous uint8 tensor of {packed.numel()} bytes"):
+        quant.pack(raw, qtype, 20, 64, out=torch.empty(100, dtype=torch.uint8))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        quant.linear(x.float(), packed, qtype, 20, 64, None)
+    with pytest.raises(RuntimeError, match="x has 32 columns"):
+        quant.linear(x[:, :32], packed, qtype, 20, 64, None)
+    with pytest.raises(RuntimeError, match="unit stride along K"):
+        quant.linear(torch.randn(64, 3).to(torch.bfloat16).t(), packed, qtype, 20, 64, None)
+    with pytest.raises(RuntimeError, match=f"packed has {packed.numel()} bytes"):
+        quant.linear(x, packed, qtype, 80, 64, None)
+    with pytest.raises(RuntimeError, match="bias must be bf16 \\[20\\]"):
+        quant.linear(x, packed, qtype, 20, 64, torch.zeros(19, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="row id 20 out of range"):
+        quant.rows(packed, qtype, torch.tensor([20]), 20, 64)
+    with pytest.raises(RuntimeError, match="ids must be int64"):
+        quant.rows(packed, qtype, torch.tensor([1], dtype=torch.int32), 20, 64)
+    with pytest.raises(RuntimeError, match="q must be int8"):
+        quant.pack_int8(torch.zeros(4, 32), torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"scale must be float32 \[N = 4\]"):
+        quant.pack_int8(torch.zeros(4, 32, dtype=torch.int8), torch.ones(3))

@@ -1,0 +1,267 @@
+"""GGUF files served in their own quantized formats (issue #21): the same greedy tokens and logprobs as
+the de-quantising bf16 path, one copy of the weights at a fraction of the bytes, and clear errors.
+
+The quantized kernels de-quantise each weight to exactly the bf16 value the `quantization="none"`
+path holds and accumulate in its order, so every comparison with that path here is exact (tokens
+and logprob bits), with the prefix cache on, prompts batched and alone. Where the compiled kernels
+(kernels/cpu_quant.py) are missing, `quantization="gguf"` runs the torch reference
+(kernels/quant_reference.py): the same contract, so the same tests hold, only slower.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatserve import LLM, SamplingParams
+from chatserve.config import EngineArgs
+from chatserve.layers.linear import Linear
+from chatserve.layers.quantized_linear import (
+    NO_QUANTIZATION,
+    load_compiled_quant_kernels,
+    model_weight_nbytes,
+    select_quantization,
+)
+
+from .helpers.tiny_gguf import Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, write_tiny_gguf
+
+pytest.importorskip("gguf")
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog and then",
+    "The quick brown fox jumps over the lazy dog, but the cat",  # shares a prefix with the first
+    "Once upon a time",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+
+# name: (per-kind types, the type of every other tensor)
+FILES = {
+    "Q4_0": ({}, Q4_0),
+    "Q4_1": ({}, Q4_1),
+    "Q8_0": ({}, Q8_0),
+    "Q4_K": ({}, Q4_K),
+    "Q6_K": ({}, Q6_K),
+    # what llama.cpp's Q4_K_M writes: attn_v and ffn_down in Q6_K, so the fused qkv mixes types
+    "Q4_K_M": ({"attn_v": Q6_K, "ffn_down": Q6_K, "token_embd": Q6_K}, Q4_K),
+    # a type the kernels lack, inside the fused qkv: de-quantised at load, one log line
+    "Q8_0+Q5_0": ({"attn_v": Q5_0}, Q8_0),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, default_gguf):
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            types, default = FILES[name]
+            made[name] = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{name}.gguf", str(default_gguf),
+                                         types, default)
+        return made[name]
+
+    return make
+
+
+def _engine(path: Path, quantization: str, **kw) -> LLM:
+    # amx=False: the bf16 oracle is the batch-invariant AVX512-BF16 matmul, the order the kernels mirror
+    return LLM(model=str(path), quantization=quantization, amx=False, max_model_len=256, num_kv_blocks=256,
+               enable_prefix_caching=True, **kw)
+
+
+def _tokens_and_logprobs(outputs) -> list[tuple[list[int], list[float]]]:
+    result = []
+    for out in outputs:
+        c = out.outputs[0]
+        result.append((list(c.token_ids), [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]))
+    return result
+
+
+def _assert_same_as_dequantised(quantized: LLM, plain: LLM) -> None:
+    expected = _tokens_and_logprobs(plain.generate(PROMPTS, GREEDY))
+    assert all(len(tokens) == 32 for tokens, _ in expected)
+    assert len({tuple(t) for t, _ in expected}) > 1, "a degenerate model: every prompt gives the same tokens"
+    batched = _tokens_and_logprobs(quantized.generate(PROMPTS, GREEDY))
+    alone = [_tokens_and_logprobs(quantized.generate([p], GREEDY))[0] for p in PROMPTS]
+    again = _tokens_and_logprobs(quantized.generate(PROMPTS, GREEDY))  # prefixes cached by now
+    for i in range(len(PROMPTS)):
+        assert batched[i] == expected[i], f"prompt {i} batched"
+        assert alone[i] == expected[i], f"prompt {i} alone"
+        assert again[i] == expected[i], f"prompt {i} over the prefix cache"
+    quantized.engine.check_integrity()
+
+
+def _linears(llm: LLM) -> dict[str, Linear]:
+    return {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M"])
+def test_quantized_greedy_equals_dequantised(name, tiny_gguf, kernels):
+    path = tiny_gguf(name)
+    quantized, plain = _engine(path, "gguf"), _engine(path, "none")
+    layers = _linears(quantized)
+    assert all(hasattr(m, "quant_segments") and all(s.qtype is not None for s in m.quant_segments) for m in layers.values())
+    if name == "Q4_K_M":  # q|k in Q4_K and v in Q6_K: two kernel calls, each writing its columns
+        assert [s.qtype for s in layers["layers.0.self_attn.qkv_proj"].quant_segments] == [Q4_K, Q6_K]
+        assert [s.qtype for s in layers["layers.0.mlp.down_proj"].quant_segments] == [Q6_K]
+    else:
+        assert all(len(m.quant_segments) == 1 for m in layers.values())  # q|k|v and gate|up packed as one
+    _assert_same_as_dequantised(quantized, plain)
+
+
+def test_unsupported_type_falls_back_with_one_log_line(tiny_gguf, kernels, caplog):
+    path = tiny_gguf("Q8_0+Q5_0")
+    with caplog.at_level(logging.INFO):
+        quantized = _engine(path, "gguf")
+    lines = [r.getMessage() for r in caplog.records if "de-quantised at load" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith("no quantized kernel for: Q5_0 (2 tensors)"), lines
+    qkv = _linears(quantized)["layers.1.self_attn.qkv_proj"]
+    assert [s.qtype for s in qkv.quant_segments] == [Q8_0, None]  # q|k kept, v in bf16
+    _assert_same_as_dequantised(quantized, _engine(path, "none"))
+
+
+@pytest.mark.parametrize("name, at_most", [("Q4_1", 0.35), ("Q8_0", 0.6)])
+def test_weight_bytes_shrink(name, at_most, tiny_gguf, kernels):
+    """The model's accounted weight bytes (packed blocks, norms; the tied embedding is the lm_head's copy)."""
+    path = tiny_gguf(name)
+    quantized, plain = _engine(path, "gguf"), _engine(path, "none")
+    q_bytes = model_weight_nbytes(quantized.engine.runner.model)
+    bf16_bytes = model_weight_nbytes(plain.engine.runner.model)
+    head = quantized.engine.runner.model.lm_head
+    quant = quantized.engine.runner.ops.linear.quant
+    assert sum(s.packed.numel() for s in head.quant_segments) == quant.packed_nbytes(head.quant_segments[0].qtype, head.out_features, head.in_features)
+    print(f"\n{name}: weights {q_bytes / 2**20:.1f} MiB quantized vs {bf16_bytes / 2**20:.1f} MiB bf16")
+    assert q_bytes <= at_most * bf16_bytes
+
+
+# ---------------------------------------------------------------- choosing the mode
+
+def test_bad_value_names_the_field():
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8; got 'q4'"):
+        EngineArgs(quantization="q4")
+
+
+def test_gguf_on_a_safetensors_folder_is_an_error(tiny_checkpoint):
+    with pytest.raises(ValueError, match="quantization='gguf'.*Hugging Face folder"):
+        LLM(model=str(tiny_checkpoint("llama")), quantization="gguf")
+
+
+def test_auto_and_explicit_on_unfit_devices_and_dtypes(caplog):
+    with caplog.at_level(logging.INFO):
+        assert select_quantization("auto", is_gguf=True, dtype=torch.bfloat16, device=torch.device("cuda"),
+                                   kernels=None) is NO_QUANTIZATION
+        assert select_quantization("auto", is_gguf=True, dtype=torch.float32, device=torch.device("cpu"),
+                                   kernels=None) is NO_QUANTIZATION
+    reasons = [r.getMessage() for r in caplog.records if "de-quantised at load" in r.getMessage()]
+    assert len(reasons) == 2 and "cuda" in reasons[0] and "float32" in reasons[1], reasons
+    with pytest.raises(ValueError, match="quantization='gguf' is not available here: the cuda path"):
+        select_quantization("gguf", is_gguf=True, dtype=torch.bfloat16, device=torch.device("cuda"), kernels=None)
+    with pytest.raises(ValueError, match="quantization='int8' is not available here: .*float32"):
+        select_quantization("int8", is_gguf=False, dtype=torch.float32, device=torch.device("cpu"), kernels=None)
+    assert select_quantization("auto", is_gguf=False, dtype=torch.bfloat16, device=torch.device("cpu"),
+                               kernels=None) is NO_QUANTIZATION  # a safetensors folder stays bf16 unless asked
+
+
+def test_auto_keeps_blocks_only_with_the_compiled_kernels(tiny_gguf, kernels):
+    llm = _engine(tiny_gguf("Q8_0"), "auto")
+    quantized = hasattr(llm.engine.runner.model.lm_head, "quant_segments")
+    assert quantized == (load_compiled_quant_kernels() is not None)
+
+
+def test_float32_dtype_dequantises(tiny_gguf):
+    llm = LLM(model=str(tiny_gguf("Q8_0")), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    assert not hasattr(llm.engine.runner.model.lm_head, "quant_segments")
+
+
+# ---------------------------------------------------------------- int8 per channel on a safetensors folder
+
+# The tiny random model's logits are nearly flat (near-ties), so int8's greedy tokens leave bf16's early
+# there (measured: 6, 4 and 1 of 32; deterministic); the default model below is the agreement test.
+INT8_AGREE_TOKENS = 1
+INT8_MEAN_DRIFT, INT8_MAX_DRIFT = 0.1, 0.3  # measured 0.064 / 0.157; |logprob(int8) - logprob(bf16)| of the shared greedy tokens
+
+
+def _agreement_and_drift(expected, got) -> tuple[list[int], list[float]]:
+    """Per prompt, how many leading greedy tokens agree; and over those tokens (where both runs saw
+    the same context, so this is the teacher-forced comparison) |logprob difference| of each."""
+    same_counts, drifts = [], []
+    for e, g in zip(expected, got):
+        want, have = e.outputs[0], g.outputs[0]
+        same = next((i for i, (a, b) in enumerate(zip(want.token_ids, have.token_ids)) if a != b), len(want.token_ids))
+        same_counts.append(same)
+        drifts += [abs(want.logprobs[i][t].logprob - have.logprobs[i][t].logprob) for i, t in enumerate(want.token_ids[:same])]
+    return same_counts, drifts
+
+
+def test_int8_on_a_safetensors_folder(tiny_checkpoint, kernels):
+    folder = str(tiny_checkpoint("llama"))
+    kw = {"amx": False, "max_model_len": 256, "num_kv_blocks": 64}
+    q8, plain = LLM(model=folder, quantization="int8", **kw), LLM(model=folder, quantization="none", **kw)
+    layers = _linears(q8)
+    assert all([s.qtype for s in m.quant_segments] == [1000] for m in layers.values())
+    assert model_weight_nbytes(q8.engine.runner.model) <= 0.55 * model_weight_nbytes(plain.engine.runner.model)
+    same, drifts = _agreement_and_drift(plain.generate(PROMPTS, GREEDY), q8.generate(PROMPTS, GREEDY))
+    mean, worst = sum(drifts) / len(drifts), max(drifts)
+    print(f"\nint8 vs bf16: {same} of 32 greedy tokens identical; logprob drift mean {mean:.4f}, max {worst:.4f}")
+    assert min(same) >= INT8_AGREE_TOKENS
+    assert mean <= INT8_MEAN_DRIFT and worst <= INT8_MAX_DRIFT
+
+
+# ---------------------------------------------------------------- the default model (SmolLM2-135M, Q4_1 + Q8_0 embedding)
+
+DEFAULT_TOKENS = 48
+# transformers fp32 on the de-quantised weights, teacher-forced on our greedy tokens: |logprob difference|
+# of each of our tokens (bf16 activations against fp32; measured on this host: see the printed line)
+HF_MEAN_DRIFT, HF_MAX_DRIFT = 0.05, 0.6
+INT8_DEFAULT_AGREE = 8  # greedy tokens int8 (of the de-quantised Q4_1 weights) shares with bf16 on every conversation
+
+
+@pytest.fixture(scope="module")
+def default_engines(kernels):
+    if load_compiled_quant_kernels() is None:
+        pytest.skip("the compiled quantized kernels are unavailable (the torch reference is too slow for 30 layers)")
+    kw = {"amx": False, "max_model_len": 1024, "num_kv_blocks": 256}
+    return LLM(quantization="gguf", **kw), LLM(quantization="none", **kw)
+
+
+def _conversation_outputs(llm: LLM, max_tokens: int = DEFAULT_TOKENS):
+    from .test_equivalence_hf import CONVERSATIONS
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+    return [llm.chat(conv, params)[0] for conv in CONVERSATIONS.values()]
+
+
+def test_default_model_quantized_equals_dequantised(default_engines):
+    quantized, plain = default_engines
+    head = quantized.engine.runner.model.lm_head
+    assert [s.qtype for s in head.quant_segments] == [Q8_0]  # the tied token_embd, read by the embedding too
+    got, expected = _conversation_outputs(quantized), _conversation_outputs(plain)
+    for g, e in zip(got, expected):
+        assert len(e.outputs[0].token_ids) >= 32
+        assert _tokens_and_logprobs([g]) == _tokens_and_logprobs([e])
+
+
+def test_default_model_logprob_drift_vs_transformers(default_engines, hf_default):
+    model, _ = hf_default
+    drifts = []
+    for out in _conversation_outputs(default_engines[0]):
+        prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        drifts += [abs(out.outputs[0].logprobs[i][t].logprob - float(ref[i, t])) for i, t in enumerate(tokens)]
+    mean, worst = sum(drifts) / len(drifts), max(drifts)
+    print(f"\nquantized default model vs transformers fp32 over {len(drifts)} tokens: mean {mean:.4f}, max {worst:.4f}")
+    assert mean <= HF_MEAN_DRIFT and worst <= HF_MAX_DRIFT
+
+
+def test_default_model_int8(default_engines):
+    int8 = LLM(quantization="int8", amx=False, max_model_len=1024, num_kv_blocks=256)
+    same, drifts = _agreement_and_drift(_conversation_outputs(default_engines[1]), _conversation_outputs(int8))
+    q_bytes, bf16_bytes = (model_weight_nbytes(e.engine.runner.model) for e in (int8, default_engines[1]))
+    print(f"\nint8 default model: {same} of {DEFAULT_TOKENS} greedy tokens as bf16; drift mean "
+          f"{sum(drifts) / len(drifts):.4f}, max {max(drifts):.4f}; weights {q_bytes / 2**20:.0f} vs {bf16_bytes / 2**20:.0f} MiB")
+    assert min(same) >= INT8_DEFAULT_AGREE
+    assert q_bytes <= 0.55 * bf16_bytes

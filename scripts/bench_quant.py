@@ -117,7 +117,7 @@ def sweep(cpu, quant, types: list[str], rows: list[int], repeats: int) -> list[l
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}}
         times = {}
         for name, (_, calls) in passes.items():
-            def one_pass(calls=calls) -> None:
+            def one_pass(calls=calls, xs=xs) -> None:
                 for fn, k in calls:
                     fn(xs[k])
             times[name] = best_time(one_pass, 0.0, at_least=repeats)

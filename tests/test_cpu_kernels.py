@@ -199,7 +199,8 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, matmul):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     if matmul == "amx" and kernels.amx is None:
         pytest.skip("no AMX tiles here")
-    fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False, amx=matmul == "amx")
+    fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False, amx=matmul == "amx",
+               quantization="none")  # the bf16 matmuls (the quantized path: tests/test_quantized_model.py)
     assert fast.engine.attention_backend == "cpu" and "paged attention" in fast.engine.runner.ops.describe()
     assert ("AMX" in fast.engine.runner.linear_impl) == (matmul == "amx")
     fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]

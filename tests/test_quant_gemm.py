@@ -26,7 +26,7 @@ from chatserve.kernels.cpu_quant import (  # noqa: E402
     load_quant_kernels,
 )
 
-ROW_COUNTS = [1, 2, 3, 4, 7, 8, 17, 64, 100, 257, 1000]
+ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 17, 64, 100, 257, 1000]  # register tiles of 1-6 rows, then the buffer
 GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
               GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
 # N: a part-filled zmm column of 16 and register tile of 4 columns; K: an odd number of blocks

@@ -67,7 +67,7 @@ def pack(raw: torch.Tensor, qtype: int, n: int, k: int, out: torch.Tensor | None
     return out.copy_(flat)
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """q int8 [N, K], scale float32 [N] -> q's bytes then scale's bytes, 1-D."""
     if q.dtype != torch.int8 or q.dim() != 2:
         raise ValueError(f"q must be int8 [N, K], got {q.dtype} {tuple(q.shape)}")
@@ -75,7 +75,12 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"K={q.shape[1]} is not a multiple of {INT8_BLOCK} (int8 per channel)")
     if scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
         raise ValueError(f"scale must be float32 [{q.shape[0]}], got {scale.dtype} {tuple(scale.shape)}")
-    return torch.cat([q.contiguous().view(torch.uint8).view(-1), scale.contiguous().view(torch.uint8)])
+    packed = torch.cat([q.contiguous().view(torch.uint8).view(-1), scale.contiguous().view(torch.uint8)])
+    if out is None:
+        return packed
+    if out.dtype != torch.uint8 or out.numel() != packed.numel():
+        raise ValueError(f"out must be uint8 of {packed.numel()} bytes, got {out.dtype} of {out.numel()}")
+    return out.copy_(packed)
 
 
 def _dequantize_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor | None) -> torch.Tensor:

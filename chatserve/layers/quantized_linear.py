@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -79,12 +80,15 @@ class QuantizedLinearMethod(LinearMethod):
     batch-invariant bf16 matmul for bf16 segments (F.linear where None). With `int8`, every
     de-quantised weight is quantised to int8 per output channel at `process`."""
 
-    def __init__(self, quant: Any, gemm: PackedGemm | None, int8: bool = False) -> None:
+    def __init__(self, quant: Any, gemm: PackedGemm | None, int8: bool = False,
+                 kernels: CpuKernels | None = None) -> None:
         self.quant = quant
         self.gemm = gemm
         self.int8 = int8
+        self.kernels = kernels  # for the huge-page arena (None: each packed weight its own allocation)
         kind = "int8 per channel" if int8 else "GGUF blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K)"
-        self.description = f"quantized {kind}: {getattr(quant, 'description', 'avx512-bf16 kernels')}"
+        arena = "; one huge-page arena" if kernels is not None else ""
+        self.description = f"quantized {kind}: {getattr(quant, 'description', 'avx512-bf16 kernels')}{arena}"
 
     def load_quantized(self, layer: Linear, row_start: int, tensor: QuantizedTensor) -> None:
         """Called by the model's `load_weights` for each GGUF tensor kept quantized."""
@@ -94,36 +98,77 @@ class QuantizedLinearMethod(LinearMethod):
         parts = layer.__dict__.setdefault("quant_parts", [])
         parts.append((row_start, tensor))
 
-    def process(self, layer: Linear) -> None:
-        parts = sorted(layer.__dict__.pop("quant_parts", []), key=lambda p: p[0])
-        runs: list[tuple[int, int, list[QuantizedTensor]]] = []  # start, qtype, tensors
-        for start, t in parts:
-            if runs and runs[-1][1] == t.qtype and runs[-1][0] + sum(x.n for x in runs[-1][2]) == start:
-                runs[-1][2].append(t)
-            else:
-                runs.append((start, t.qtype, [t]))
-        segments: list[Segment] = []
+    def _layout(self, layer: Linear) -> list[tuple[int, int, int | None, list[QuantizedTensor] | None]]:
+        """(start, rows, qtype or None for bf16, the GGUF tensors or None for rows of the plain weight)
+        for each segment: runs of one type packed together, the rows between them from `weight`."""
+        parts = sorted(layer.__dict__.get("quant_parts", []), key=lambda p: p[0])
+        k = layer.in_features
+        dense_type = QTYPE_INT8_CHANNEL if self.int8 and k % INT8_BLOCK == 0 else None  # else such a layer stays bf16
+        layout: list[tuple[int, int, int | None, list[QuantizedTensor] | None]] = []
         row = 0
+        for start, t in parts:
+            if start > row:
+                layout.append((row, start - row, dense_type, None))
+            last = layout[-1] if layout else None
+            if last is not None and last[3] is not None and last[2] == t.qtype and last[0] + last[1] == start:
+                layout[-1] = (last[0], last[1] + t.n, t.qtype, [*last[3], t])
+            else:
+                layout.append((start, t.n, t.qtype, [t]))
+            row = start + t.n
+        if row < layer.out_features:
+            layout.append((row, layer.out_features - row, dense_type, None))
+        return layout
+
+    def _nbytes(self, qtype: int | None, n: int, k: int) -> int:
+        if qtype is not None:
+            return self.quant.packed_nbytes(qtype, n, k)
+        assert self.gemm is not None
+        return math.prod(self.gemm.packed_shape(n, k)) * 2
+
+    def plan(self, layers: list[Linear]) -> None:
+        """Before any `process`: place every layer's packed segments in one buffer advised for
+        transparent huge pages (a decode step streams all of them; 4 KiB pages cost a TLB miss each),
+        64-byte aligned. Only with the C++ kernels (which allocate it) and the bf16 matmul for bf16 rows."""
+        if self.kernels is None or self.gemm is None:
+            return
+        offsets: list[tuple[Linear, list[int]]] = []
+        total = 0
+        for layer in layers:
+            starts = []
+            for _, n, qtype, _ in self._layout(layer):
+                starts.append(total)
+                total += -(-self._nbytes(qtype, n, layer.in_features) // 64) * 64
+            offsets.append((layer, starts))
+        buffer = self.kernels.huge_page_zeros((total + 1) // 2).view(torch.uint8)
+        for layer, starts in offsets:
+            layer.__dict__["arena_offsets"] = (buffer, starts)
+
+    def process(self, layer: Linear) -> None:
+        k = layer.in_features
+        arena = layer.__dict__.pop("arena_offsets", None)
+        segments: list[Segment] = []
         with torch.no_grad():
-            for start, qtype, tensors in runs:
-                if start > row:
-                    segments.append(self._dense(layer, row, start))
-                n = sum(t.n for t in tensors)
-                raw = tensors[0].raw if len(tensors) == 1 else torch.cat([t.raw for t in tensors])
-                segments.append(Segment(start, n, qtype, self.quant.pack(raw, qtype, n, layer.in_features)))
-                row = start + n
-            if row < layer.out_features:
-                segments.append(self._dense(layer, row, layer.out_features))
+            for i, (start, n, qtype, tensors) in enumerate(self._layout(layer)):
+                out = None
+                if arena is not None:
+                    out = arena[0][arena[1][i] : arena[1][i] + self._nbytes(qtype, n, k)]
+                if tensors is not None:
+                    raw = tensors[0].raw if len(tensors) == 1 else torch.cat([t.raw for t in tensors])
+                    packed = self.quant.pack(raw, qtype, n, k, out=out)
+                elif qtype is not None:
+                    q, scale = quantize_int8_per_channel(layer.weight.detach()[start : start + n])
+                    packed = self.quant.pack_int8(q, scale, out=out)
+                else:
+                    w = layer.weight.detach()[start : start + n].contiguous()
+                    if self.gemm is None:
+                        packed = w.clone()
+                    else:
+                        view = None if out is None else out.view(torch.bfloat16).view(self.gemm.packed_shape(n, k))
+                        packed = self.gemm.pack(w, out=view) if view is not None else self.gemm.pack(w)
+                segments.append(Segment(start, n, qtype, packed))
+        layer.__dict__.pop("quant_parts", None)
         layer.quant_segments = segments
         del layer.weight
-
-    def _dense(self, layer: Linear, start: int, stop: int) -> Segment:
-        w = layer.weight.detach()[start:stop]
-        if self.int8 and layer.in_features % INT8_BLOCK == 0:  # else this layer stays bf16
-            q, scale = quantize_int8_per_channel(w)
-            return Segment(start, stop - start, QTYPE_INT8_CHANNEL, self.quant.pack_int8(q, scale))
-        packed = self.gemm.pack(w.contiguous()) if self.gemm is not None else w.contiguous().clone()
-        return Segment(start, stop - start, None, packed)
 
     def _run(self, seg: Segment, x: torch.Tensor, k: int, bias: torch.Tensor | None) -> torch.Tensor:
         if seg.qtype is not None:
@@ -242,7 +287,10 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
             logger.info("GGUF weights de-quantised at load: %s", unfit)
             return NO_QUANTIZATION
         raise ValueError(f"quantization={requested!r} is not available here: {unfit}; use quantization='none'")
-    quant = load_compiled_quant_kernels()
+    quant = load_compiled_quant_kernels() if kernels is not None else None
+    if quant is None and kernels is None and requested == "auto":
+        logger.info("GGUF weights de-quantised at load: the C++ CPU kernels are off (cpu_kernels=False) or unavailable")
+        return NO_QUANTIZATION
     if quant is None:
         if requested == "auto":
             logger.info("GGUF weights de-quantised at load: the quantized kernels need a CPU with AVX512-BF16 "
@@ -253,6 +301,6 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
         quant = reference_quant_kernels(kernels.gemm if kernels is not None else None)
     gemm = kernels.gemm if kernels is not None else None
     if requested == "int8":
-        return QuantizationChoice("int8", QuantizedLinearMethod(quant, gemm, int8=True), frozenset())
+        return QuantizationChoice("int8", QuantizedLinearMethod(quant, gemm, int8=True, kernels=kernels), frozenset())
     keep = frozenset(q for q in SUPPORTED_QTYPES if q != QTYPE_INT8_CHANNEL)
-    return QuantizationChoice("gguf", QuantizedLinearMethod(quant, gemm), keep)
+    return QuantizationChoice("gguf", QuantizedLinearMethod(quant, gemm, kernels=kernels), keep)

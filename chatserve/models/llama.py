@@ -17,8 +17,8 @@ from chatserve.config import ModelConfig
 from chatserve.layers.activation import SiluAndMul
 from chatserve.layers.linear import Linear
 from chatserve.layers.norm import RMSNorm
-from chatserve.layers.quantized_linear import QuantizedTensor
 from chatserve.layers.ops import LayerOps
+from chatserve.layers.quantized_linear import QuantizedTensor
 from chatserve.layers.rotary import QKRotary, RotaryEmbedding
 from chatserve.worker.forward_batch import ForwardBatch
 
@@ -135,6 +135,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         the huge-page arena, or left as is), layer by layer, giving the plain copies back to the OS
         as it goes, so the resident set peaks at one copy of the weights plus a layer. A tied
         embedding then reads the lm_head's copy where the method allows (one copy in all)."""
+        plan = getattr(self.ops.linear, "plan", None)  # a method that places all layers at once (quantized)
+        if plan is not None:
+            plan([m for m in self.modules() if isinstance(m, Linear)])
         for layer in self.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):

@@ -21,18 +21,21 @@
 //
 // Packed layout: zmm columns of 16 outputs in groups of 4 (64 outputs; N is padded with zero weights),
 // each group one contiguous stream [4 column headers][block 0 of its 4 columns][block 1 ...]... (blocks
-// of the format along K; only int8 per channel has a header: 16 fp32 scales), and in each block the per-output scales first (16 values per scale kind: fp16 d as in the file,
-// 6-bit/int8 sub-block scales as bytes) and then, per k pair p, the 16 outputs' (2p, 2p+1) weights:
+// of the format along K; only int8 per channel has a header: 16 fp32 scales), and in each block the
+// per-output scales first (16 values per scale kind: fp16 d as in the file, 6-bit/int8 sub-block scales
+// as bytes) and then, per k pair p, the 16 outputs' (2p, 2p+1) weights:
 //   4-bit (Q4_0, Q4_1, Q4_K): 16 bytes; byte l holds q[n_(l/2)][2p + l%2] in its low nibble and
 //                             q[n_(8 + l/2)][2p + l%2] in its high nibble
 //   8-bit (Q8_0, Q6_K as q-32, int8): 32 bytes; byte l < 16 holds q[n_(l/2)][2p + l%2], byte 16 + l
 //                             holds q[n_(8 + l/2)][2p + l%2]
-// so vpmovzxbd/vpmovsxbd, and/shift, vcvtdq2ps, one fma per half with the lanes' scales and ONE
+// so vpmovzxbd + vpermps against a float table [0..15] (4-bit; vpermps reads only an index's low 4
+// bits, so it masks and converts in one instruction) or vpmovsxbd + vcvtdq2ps (8-bit), one fma or
+// multiply per half with the lanes' scales and ONE
 // vcvtne2ps2bf16(hi, lo) give exactly the [n0k0 n0k1 n1k0 ... n15k1] zmm that bf16_gemm reads: no
 // permute per k pair. Q6_K is kept as int8 (8.6 bits a weight instead of 6.6): simpler, and a 4+2-bit
 // split is left for later (see the notes of issue 21).
 //
-// Few rows (decode): the weights are de-quantised in registers once per call and used for every row.
+// Few rows (decode, up to 6): the weights are de-quantised in registers once per call and used for every row.
 // Many rows (prefill): a cache block of columns is de-quantised into a thread-local bf16 buffer in
 // the bf16_gemm register-tile layout and the same tile (a copy of bf16_gemm.cpp's) runs over all row
 // blocks, so the de-quantisation is amortised over M.
@@ -51,16 +54,17 @@ constexpr int kZmmCols = 16;     // outputs per zmm column
 constexpr int kPairBf16 = 32;    // bf16 values per k pair of one zmm column (64 B)
 constexpr int kMaxTileRows = 6;  // rows of a buffered register tile (24 accumulators at 4 columns)
 
-// Up to this many rows, weights are de-quantised in registers: register tiles of 4 zmm columns and up
+// Up to this many rows (measured: 5-6 rows in registers beat the buffer by 1.3-1.9x; 8 rows in two
+// 4-row tiles lost to it), weights are de-quantised in registers: register tiles of 4 zmm columns and up
 // to QGEMM_TILE_ROWS rows (accumulators and the 4 columns' scales fill the 32 zmm registers; at 4 rows some
 // scales live in L1 as memory operands of the fma), more
 // rows as further row tiles over the same columns (their weights hot in L1, de-quantised again).
 // Above, into the buffer (each weight once per call, then read from L2 by every row block).
 #ifndef QGEMM_REG_ROWS
-#define QGEMM_REG_ROWS 4
+#define QGEMM_REG_ROWS 6
 #endif
 #ifndef QGEMM_TILE_ROWS
-#define QGEMM_TILE_ROWS 4
+#define QGEMM_TILE_ROWS 6
 #endif
 // bytes ahead of the current sub-block that each column's stream prefetches
 #ifndef QGEMM_PF_BYTES
@@ -251,6 +255,20 @@ __attribute__((always_inline)) inline __m512bh decode(const uint8_t* q, const Su
   return _mm512_cvtne2ps_pbh(F::weight(hi, sc.s.hi, sc.b.hi), F::weight(lo, sc.s.lo, sc.b.lo));
 }
 
+// De-quantise block bl of zmm column c into dst [Kp][32] bf16 (bf16_gemm's zmm-column layout).
+template <class F>
+__attribute__((always_inline)) inline void decode_block(const Layout<F>& L, int64_t c, int64_t bl, uint16_t* dst) {
+  const uint8_t* col = L.header(c);
+  const uint8_t* blk = L.block(c, bl);
+  int64_t kp = bl * (F::kBlockK / 2);
+  for (int sub = 0; sub < F::kSubs; ++sub) {
+    const SubScales sc = sub_scales<F>(col, blk, sub);
+    const uint8_t* q = F::quants(blk, sub);
+    for (int pp = 0; pp < F::kSubPairs; ++pp, ++kp)
+      _mm512_storeu_si512(dst + kp * kPairBf16, (__m512i)decode<F>(q + pp * pair_bytes<F>(), sc));
+  }
+}
+
 // De-quantise k pairs of one zmm column into dst [Kp][32] bf16 (bf16_gemm's zmm-column layout).
 template <class F>
 void decode_column(const Layout<F>& L, int64_t c, int64_t K, uint16_t* dst) {
@@ -398,14 +416,16 @@ RegFn<F> reg_fn_cols(int nz) {
 
 template <class F>
 RegFn<F> reg_fn(int mr, int nz) {
-  static_assert(QGEMM_TILE_ROWS == 4, "register tiles are instantiated for 1-4 rows x 1-4 columns");
+  static_assert(QGEMM_TILE_ROWS == 6, "register tiles are instantiated for 1-6 rows x 1-4 columns");
   TORCH_CHECK(mr >= 1 && mr <= QGEMM_TILE_ROWS && nz >= 1 && nz <= 4, "quant_gemm: no register tile of ", mr, " rows x ",
               nz, " columns");
   switch (mr) {
     case 1: return reg_fn_cols<F, 1>(nz);
     case 2: return reg_fn_cols<F, 2>(nz);
     case 3: return reg_fn_cols<F, 3>(nz);
-    default: return reg_fn_cols<F, 4>(nz);
+    case 4: return reg_fn_cols<F, 4>(nz);
+    case 5: return reg_fn_cols<F, 5>(nz);
+    default: return reg_fn_cols<F, 6>(nz);
   }
 }
 
@@ -451,8 +471,19 @@ void run_block(const QProblem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1
   std::vector<uint16_t> buf(static_cast<size_t>(std::min<int64_t>(col_block, c1 - c0) * kps * kPairBf16));
   for (int64_t cb = c0; cb < c1; cb += col_block) {
     const int64_t cb_end = std::min<int64_t>(c1, cb + col_block);
+    // in memory order (block by block across a group's columns), prefetched ahead: one stream
     const Layout<F> L{p.w, p.group_bytes};
-    for (int64_t c = cb; c < cb_end; ++c) decode_column<F>(L, c, p.K, buf.data() + (c - cb) * kps * kPairBf16);
+    const int64_t blocks = p.K / F::kBlockK;
+    for (int64_t g0 = cb; g0 < cb_end; g0 += kGroupZmm) {
+      const int64_t g1 = std::min<int64_t>(cb_end, g0 + kGroupZmm);
+      for (int64_t bl = 0; bl < blocks; ++bl)
+        for (int64_t c = g0; c < g1; ++c) {
+          const uint8_t* blk = L.block(c, bl);
+          for (int64_t o = 0; o < F::kBlockBytes; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(blk + o + g_pf_bytes), _MM_HINT_T0);
+          decode_block<F>(L, c, bl, buf.data() + (c - cb) * kps * kPairBf16);
+        }
+    }
     for (int64_t mb = r0; mb < r1; mb += QGEMM_ROW_BLOCK) {
       const int64_t rows = std::min<int64_t>(QGEMM_ROW_BLOCK, r1 - mb);
       const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;

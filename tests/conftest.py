@@ -24,15 +24,17 @@ import torch  # noqa: E402
 
 
 def pytest_sessionstart(session) -> None:
-    """Compile the C++ kernels once, here, before any test starts a server.
+    """Compile the C++ kernels (bf16 and quantized) once, here, before any test starts a server.
 
     A server building them itself counts the compile (minutes on 2 cores) against its startup
     timeout; built here, every server finds them ready.
     """
     from chatserve.kernels.cpu_gemv import cpu_has_avx512_bf16, load_cpu_kernels
+    from chatserve.kernels.cpu_quant import load_quant_kernels
 
     if cpu_has_avx512_bf16():
         load_cpu_kernels()
+        load_quant_kernels()  # the default model's GGUF blocks run on these (quantization "auto")
 
 
 @pytest.fixture(scope="session")

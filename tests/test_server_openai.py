@@ -189,7 +189,8 @@ def test_keepalive_comments_while_waiting():
     # A server whose single slot is busy: the second request waits and gets keepalive comments.
     srv = start_server("--max-num-seqs", "1", "--sse-keepalive-s", "0.2", "--max-model-len", "1024")
     try:
-        slow = {"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 60, "temperature": 0,
+        # 400 tokens keep the slot busy for seconds even where decode runs at ~170 tok/s (60 did not)
+        slow = {"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 400, "temperature": 0,
                 "stream": True, "ignore_eos": True}
         t = threading.Thread(target=lambda: httpx.post(f"{srv.url}/v1/chat/completions", json=slow, timeout=120))
         t.start()

@@ -27,8 +27,15 @@ from chatserve.server.generation import Generation
 OnEnd = Callable[[bool], Awaitable[None]]
 
 
+# Characters that str.splitlines() (and so the openai SDK's SSE decoder, and httpx's iter_lines)
+# takes for line ends although SSE does not: raw inside a data line they cut one event in two. JSON
+# escapes the other ones (< 0x20) itself; these it leaves raw with ensure_ascii=False.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON for one SSE data line: UTF-8 as is, except the line breaks splitlines() sees."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_KEEPS)
 
 
 class SSECounter:

@@ -157,7 +157,7 @@ class EngineArgs:
                 "float32 (bf16 without those instructions is slower than float32)"})
     quantization: QuantizationName = field(default="auto", metadata={
         "help": "weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks where the quantized CPU "
-                "kernels run (AVX512-BF16, bfloat16), else de-quantises; none de-quantises; gguf insists on the "
+                "kernels run (AVX512-BF16 and AVX512-VNNI, bfloat16), else de-quantises; none de-quantises; gguf insists on the "
                 "file's blocks; int8 quantises every weight to int8 per output channel at load (also safetensors)"})
     device: str = field(default="auto", metadata={"help": "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block: 8, 16, 32, 64 or 128"})

@@ -1,11 +1,14 @@
-"""GGUF files served in their own quantized formats (issue #21): the same greedy tokens and logprobs as
-the de-quantising bf16 path, one copy of the weights at a fraction of the bytes, and clear errors.
+"""GGUF files served in their own quantized formats (issue #21): greedy tokens and logprobs close to the
+de-quantising bf16 path, the same bits whatever the batch or the prefix cache, one copy of the weights
+at a fraction of the bytes, and clear errors.
 
-The quantized kernels de-quantise each weight to exactly the bf16 value the `quantization="none"`
-path holds and accumulate in its order, so every comparison with that path here is exact (tokens
-and logprob bits), with the prefix cache on, prompts batched and alone. Where the compiled kernels
-(kernels/cpu_quant.py) are missing, `quantization="gguf"` runs the torch reference
-(kernels/quant_reference.py): the same contract, so the same tests hold, only slower.
+The quantized kernels multiply gguf's exact de-quantised weights by activations quantised to int8 in
+blocks of 32 (kernels/cpu_quant.py), so against `quantization="none"` (the same weights in bf16, bf16
+activations) the comparisons here are stated tolerances: leading greedy tokens shared and the
+|logprob| drift over them. Against itself the quantized path is exact: a prompt batched, alone and
+over the prefix cache gives the same tokens and logprob bits. Where the compiled kernels are missing,
+`quantization="gguf"` runs the torch reference (kernels/quant_reference.py): the same arithmetic up to
+fp32 summation order, row by row, so the same tests hold, only slower.
 """
 
 from __future__ import annotations
@@ -79,17 +82,29 @@ def _tokens_and_logprobs(outputs) -> list[tuple[list[int], list[float]]]:
     return result
 
 
-def _assert_same_as_dequantised(quantized: LLM, plain: LLM) -> None:
-    expected = _tokens_and_logprobs(plain.generate(PROMPTS, GREEDY))
-    assert all(len(tokens) == 32 for tokens, _ in expected)
-    assert len({tuple(t) for t, _ in expected}) > 1, "a degenerate model: every prompt gives the same tokens"
-    batched = _tokens_and_logprobs(quantized.generate(PROMPTS, GREEDY))
+# The tiny random models' logits are nearly flat (near-ties), so greedy tokens of two numerically
+# different paths part early there; the default model below is the agreement test that matters.
+TINY_AGREE_TOKENS = 1
+TINY_MEAN_DRIFT, TINY_MAX_DRIFT = 0.1, 0.6  # measured over the 5 files: mean 0.016-0.057, max 0.06-0.36
+
+
+def _assert_invariant_and_close(quantized: LLM, plain: LLM) -> None:
+    """The quantized path gives the same bits batched, alone and over the prefix cache; against the
+    bf16 path, leading greedy tokens agree and their logprobs are close."""
+    expected = plain.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in expected)
+    batched_out = quantized.generate(PROMPTS, GREEDY)
+    batched = _tokens_and_logprobs(batched_out)
+    assert len({tuple(t) for t, _ in batched}) > 1, "a degenerate model: every prompt gives the same tokens"
     alone = [_tokens_and_logprobs(quantized.generate([p], GREEDY))[0] for p in PROMPTS]
     again = _tokens_and_logprobs(quantized.generate(PROMPTS, GREEDY))  # prefixes cached by now
     for i in range(len(PROMPTS)):
-        assert batched[i] == expected[i], f"prompt {i} batched"
-        assert alone[i] == expected[i], f"prompt {i} alone"
-        assert again[i] == expected[i], f"prompt {i} over the prefix cache"
+        assert alone[i] == batched[i], f"prompt {i} alone"
+        assert again[i] == batched[i], f"prompt {i} over the prefix cache"
+    same, drifts = _agreement_and_drift(expected, batched_out)
+    print(f"\nvs bf16: {same} of 32 greedy tokens identical; drift mean {sum(drifts) / len(drifts):.4f}, max {max(drifts):.4f}")
+    assert min(same) >= TINY_AGREE_TOKENS
+    assert sum(drifts) / len(drifts) <= TINY_MEAN_DRIFT and max(drifts) <= TINY_MAX_DRIFT
     quantized.engine.check_integrity()
 
 
@@ -98,9 +113,9 @@ def _linears(llm: LLM) -> dict[str, Linear]:
 
 
 # Q4_1 and Q8_0 end to end: the default model (Q4_1 layers, Q8_0 embedding) below; every type's kernel
-# bit for bit: tests/test_quant_gemm.py
+# against gguf's weights: tests/test_quant_gemm.py
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "Q4_K_M"])
-def test_quantized_greedy_equals_dequantised(name, tiny_gguf, kernels):
+def test_quantized_greedy_invariant_and_close_to_dequantised(name, tiny_gguf, kernels):
     path = tiny_gguf(name)
     quantized, plain = _engine(path, "gguf"), _engine(path, "none")
     layers = _linears(quantized)
@@ -110,7 +125,7 @@ def test_quantized_greedy_equals_dequantised(name, tiny_gguf, kernels):
         assert [s.qtype for s in layers["layers.0.mlp.down_proj"].quant_segments] == [Q6_K]
     else:
         assert all(len(m.quant_segments) == 1 for m in layers.values())  # q|k|v and gate|up packed as one
-    _assert_same_as_dequantised(quantized, plain)
+    _assert_invariant_and_close(quantized, plain)
 
 
 def test_unsupported_type_falls_back_with_one_log_line(tiny_gguf, kernels, caplog):
@@ -121,7 +136,7 @@ def test_unsupported_type_falls_back_with_one_log_line(tiny_gguf, kernels, caplo
     assert len(lines) == 1 and lines[0].endswith("no quantized kernel for: Q5_0 (2 tensors)"), lines
     qkv = _linears(quantized)["layers.1.self_attn.qkv_proj"]
     assert [s.qtype for s in qkv.quant_segments] == [Q8_0, None]  # q|k kept, v in bf16
-    _assert_same_as_dequantised(quantized, _engine(path, "none"))
+    _assert_invariant_and_close(quantized, _engine(path, "none"))
 
 
 @pytest.mark.parametrize("name, at_most", [("Q4_1", 0.35), ("Q8_0", 0.6)])
@@ -187,7 +202,7 @@ def test_float32_dtype_dequantises(tiny_gguf):
 # The tiny random model's logits are nearly flat (near-ties), so int8's greedy tokens leave bf16's early
 # there (measured: 6, 4 and 1 of 32; deterministic); the default model below is the agreement test.
 INT8_AGREE_TOKENS = 1
-INT8_MEAN_DRIFT, INT8_MAX_DRIFT = 0.1, 0.3  # measured 0.064 / 0.157; |logprob(int8) - logprob(bf16)| of the shared greedy tokens
+INT8_MEAN_DRIFT, INT8_MAX_DRIFT = 0.15, 0.4  # measured 0.089 / 0.249 (int8 weights and activations); |logprob(int8) - logprob(bf16)| of the shared greedy tokens
 
 
 def _agreement_and_drift(expected, got) -> tuple[list[int], list[float]]:
@@ -221,10 +236,16 @@ def test_int8_on_a_safetensors_folder(tiny_checkpoint, kernels):
 DEFAULT_TOKENS = 48
 # transformers fp32 on the de-quantised weights, teacher-forced on our greedy tokens: |logprob difference|
 # of each of our tokens (bf16 activations against fp32; measured on this host: see the printed line)
-HF_MEAN_DRIFT, HF_MAX_DRIFT = 0.05, 0.6  # measured mean 0.023, max 0.24 over 3 x 48 tokens
+HF_MEAN_DRIFT, HF_MAX_DRIFT = 0.06, 0.6  # measured mean 0.040, max 0.27 over 3 x 48 tokens (int8 activations; 0.023 / 0.24 with bf16 ones)
 # int8 of the de-quantised Q4_1 weights against bf16, per conversation: leading greedy tokens shared
 # (measured 13, 32 and 5 of 48), and the drift over them (measured mean 0.043, max 0.27)
 INT8_DEFAULT_AGREE, INT8_DEFAULT_MEAN_DRIFT, INT8_DEFAULT_MAX_DRIFT = 4, 0.08, 0.5
+# the kept Q4_1 blocks with int8 activations against the same weights in bf16 with bf16 activations:
+# measured 36, 34 and 5 of 48 leading greedy tokens (the third conversation has a near-tie at token 6),
+# drift mean 0.032, max 0.20.
+QUANT_DEFAULT_AGREE = [4, 24, 24]  # per conversation, sorted ascending: at least these many
+QUANT_DEFAULT_AGREE_TOTAL = 60
+QUANT_DEFAULT_MEAN_DRIFT, QUANT_DEFAULT_MAX_DRIFT = 0.06, 0.4
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +263,18 @@ def _conversation_outputs(llm: LLM, max_tokens: int = DEFAULT_TOKENS):
     return [llm.chat(conv, params)[0] for conv in CONVERSATIONS.values()]
 
 
-def test_default_model_quantized_equals_dequantised(default_engines):
+def test_default_model_quantized_agrees_with_dequantised(default_engines):
     quantized, plain = default_engines
     head = quantized.engine.runner.model.lm_head
     assert [s.qtype for s in head.quant_segments] == [Q8_0]  # the tied token_embd, read by the embedding too
     got, expected = _conversation_outputs(quantized), _conversation_outputs(plain)
-    for g, e in zip(got, expected):
-        assert len(e.outputs[0].token_ids) >= 32
-        assert _tokens_and_logprobs([g]) == _tokens_and_logprobs([e])
+    assert all(len(e.outputs[0].token_ids) >= 32 for e in expected)
+    same, drifts = _agreement_and_drift(expected, got)
+    mean, worst = sum(drifts) / len(drifts), max(drifts)
+    print(f"\nquantized default model vs bf16: {same} of {DEFAULT_TOKENS} greedy tokens identical; "
+          f"drift mean {mean:.4f}, max {worst:.4f}")
+    assert all(a >= b for a, b in zip(sorted(same), QUANT_DEFAULT_AGREE)) and sum(same) >= QUANT_DEFAULT_AGREE_TOTAL
+    assert mean <= QUANT_DEFAULT_MEAN_DRIFT and worst <= QUANT_DEFAULT_MAX_DRIFT
 
 
 def test_default_model_logprob_drift_vs_transformers(default_engines, hf_default):

@@ -1,11 +1,17 @@
-"""Quantized matmul for AVX512-BF16 CPUs over weights kept in GGUF block formats (csrc/quant_gemm.cpp,
-issue #21): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and our weight-only int8 per output channel.
+"""Quantized matmul for AVX512-VNNI + AVX512-BF16 CPUs over weights kept in GGUF block formats
+(csrc/quant_gemm.cpp, issue #21): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and our weight-only int8 per output channel.
 
-Why it can be trusted: each weight is de-quantised in registers to exactly the bf16 value of
-`torch.from_numpy(gguf.quants.dequantize(raw, qtype)).to(torch.bfloat16)` and multiplied in the
-order of the batch-invariant bf16 matmul (csrc/bf16_gemm.cpp), so `linear` has the bits of
-`bf16_gemm(x, bf16_gemm_pack(dequantized))` for every row count: the quantized path inherits the
-batch invariance of issue #20 and agrees with the de-quantising path token for token.
+How it computes: each row of x is quantised to int8 in blocks of 32 (one fp32 scale each, as
+llama.cpp's Q8 activations) and multiplied with the weights' integer quants by vpdpbusd; the
+weights' scales and offsets are applied per sub-block in fp32 (the header of quant_gemm.cpp has the
+arithmetic). Why not de-quantise to bf16 in registers: that costs ~9 instructions per 32 weights and
+ran compute-bound below the memory's rate; this one streams the weights (BENCHMARKS.md, issue 21).
+
+What can be trusted: every output's arithmetic is the same whatever the row count, the row's place
+in the batch or the thread split (batch-invariant, so prefill and decode agree bit for bit); the
+weights it multiplies are exactly gguf's de-quantised values (`rows` / `dequantize` return them,
+rounded to bf16, bit for bit); the only error against the fp32 product is the activations' int8
+rounding (tests/test_quant_gemm.py states the tolerance).
 
 A separate extension from cpu_gemv's (its own name and source hash, the same build folder, lock and
 compiler flags), so editing this kernel does not rebuild the others.
@@ -49,10 +55,21 @@ class QuantKernels:
     prefetch_bytes: Callable[[int], int] | None = None
 
 
+def cpu_has_avx512_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_vnni" in line.split()
+    except OSError:
+        pass
+    return False
+
+
 def load_quant_kernels() -> QuantKernels | None:
-    """The compiled kernels, verified on this machine, or None (no AVX512-BF16, no compiler, or a
-    failed self-check: callers then de-quantise at load)."""
-    if not cpu_has_avx512_bf16():
+    """The compiled kernels, verified on this machine, or None (no AVX512-BF16 or AVX512-VNNI, no
+    compiler, or a failed self-check: callers then de-quantise at load)."""
+    if not (cpu_has_avx512_bf16() and cpu_has_avx512_vnni()):
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -65,9 +82,9 @@ def load_quant_kernels() -> QuantKernels | None:
                 name=name,
                 build_directory=str(build_dir),
                 sources=[str(p) for p in _SOURCES],
-                # the flags of cpu_gemv's extension (less the AMX ones): -ffp-contract=off keeps every
-                # multiply and add as written, which the bit-exact de-quantisation relies on
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp",
+                # the flags of cpu_gemv's extension (less the AMX ones, plus VNNI): -ffp-contract=off keeps
+                # every multiply and add as written, which the exact de-quantisation relies on
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-fopenmp",
                               "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
@@ -83,7 +100,7 @@ def load_quant_kernels() -> QuantKernels | None:
 
 
 def _self_check(k: QuantKernels) -> None:
-    """int8 per channel (needs no gguf): the matmul equals the fp32 reference within bf16 rounding,
+    """int8 per channel (needs no gguf): the matmul is close to the fp32 reference (int8 activations),
     rows alone equal rows in a batch, and the rows read back as scale * q rounded to bf16. The GGUF
     formats share every instruction of the matmul with it except the per-format scale arithmetic,
     which tests/test_quant_gemm.py checks bit for bit against gguf's numpy de-quantisation."""

@@ -1,11 +1,14 @@
 """Pure-torch/numpy reference of the quantized matmul API (csrc/quant_gemm.cpp via cpu_quant.py).
 
-Same functions, same arguments, same results: "packed" is the GGUF blocks kept as they are (or
-int8 rows followed by their fp32 scales), and every call de-quantises with the `gguf` package to
-bf16 and multiplies with the engine's bf16 matmul (the batch-invariant `PackedGemm` where given,
-else `F.linear`). That is by definition what the compiled kernels must equal bit for bit, so the
-integration tests use it as their oracle, and the engine can run on it (slowly: it de-quantises the
-whole weight on every call) where the compiled kernels are missing and quantization was asked for.
+Same functions, same arguments, the same arithmetic: "packed" is the GGUF blocks kept as they are
+(or int8 rows followed by their fp32 scales); `rows` / `dequantize` de-quantise with the `gguf`
+package (the compiled kernels return these bf16 values bit for bit), and `linear` quantises each
+row of x to int8 in blocks of 32 exactly as the compiled kernel does (`quantize_activations`) and
+multiplies those values by the de-quantised fp32 weights, one row at a time (so a row's result never
+depends on the others: batch-invariant like the kernel). It equals the kernel up to fp32 summation
+order and the final bf16 rounding, which the tests state as a tolerance. The engine runs on it
+(slowly: it de-quantises the whole weight on every call) where the compiled kernels are missing and
+quantization was asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 QTYPE_INT8_CHANNEL = 1000  # ours, not a GGUF type: w[n, k] = scale[n] * q[n, k], q int8, scale fp32
 INT8_BLOCK = 32  # the kernels' K granularity for QTYPE_INT8_CHANNEL (cpu_quant.BLOCK_VALUES)
@@ -114,7 +116,7 @@ def rows(packed: torch.Tensor, qtype: int, ids: torch.Tensor, n: int, k: int) ->
 
 @dataclass(frozen=True)
 class ReferenceQuantKernels:
-    """The compiled `QuantKernels`' fields, in torch; `linear` equals the bf16 path bit for bit."""
+    """The compiled `QuantKernels`' fields, in torch (see the module's docstring for how close)."""
 
     pack: Callable[..., torch.Tensor]
     pack_int8: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -125,18 +127,37 @@ class ReferenceQuantKernels:
     description: str = "torch reference (de-quantises the whole weight on every call)"
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled kernel's activation quantisation, per row in blocks of 32 values: dx = max|x| / 127
+    (fp32), q = round-half-even(x * (127 / max|x|)) clamped to [-127, 127] (0 for an all-zero block).
+    Returns (q int8 [M, K], dx float32 [M, K / 32])."""
+    m, k = x.shape
+    if k % INT8_BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {INT8_BLOCK}")
+    xb = x.float().reshape(m, k // INT8_BLOCK, INT8_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    dx = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(m, k), dx
+
+
 def reference_quant_kernels(gemm=None) -> ReferenceQuantKernels:
-    """The reference over `gemm` (a `PackedGemm`: then `linear` has the bits of the engine's
-    batch-invariant bf16 path) or over `F.linear` (the torch path's bits) when None."""
+    """The reference (`gemm` is accepted for the caller's convenience and unused: the reference
+    multiplies in fp32, row by row)."""
+    del gemm
 
     def linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-        w = dequantize(packed, qtype, n, k)
-        if gemm is None:
-            return F.linear(x, w, bias)
-        return gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), gemm.pack(w), bias, n)
+        w = dequantize(packed, qtype, n, k).float()
+        q, dx = quantize_activations(x)
+        xa = (q.float().reshape(x.shape[0], -1, INT8_BLOCK) * dx[..., None]).reshape(x.shape[0], k)
+        out = torch.stack([torch.mv(w, row) for row in xa]) if x.shape[0] else xa.new_empty((0, n))
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(torch.bfloat16)
 
     return ReferenceQuantKernels(pack=pack, pack_int8=pack_int8, linear=linear, rows=rows,
                                  dequantize=dequantize, packed_nbytes=packed_nbytes)

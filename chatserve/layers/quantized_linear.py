@@ -3,9 +3,11 @@ the file, or int8 per output channel quantised at load (`quantization="int8"`).
 
 Why: decoding one stream reads every weight once per token, so its speed is the bytes of the
 weights; the default model's Q4_1 file is ~0.6 byte a weight against bf16's 2 (issue #21). The
-compiled kernels (kernels/cpu_quant.py) de-quantise each weight in registers to exactly the bf16
-value the de-quantising path would hold and accumulate in that path's order, so a quantized layer
-gives the bits of `quantization="none"` (and stays batch-invariant): same greedy tokens, less memory.
+compiled kernels (kernels/cpu_quant.py) multiply the blocks' integer quants by each row of x
+quantised to int8 in blocks of 32 (AVX512-VNNI) and apply the blocks' scales in fp32: the weights are
+exactly gguf's, the activations' rounding is the one approximation, and every row's result is the
+same whatever the batch (batch-invariant, as the bf16 path). Greedy output stays close to
+`quantization="none"` (tests/test_quantized_model.py states how close), at a third of the bytes.
 
 A layer is a list of row segments: the loader hands each GGUF tensor over as a `QuantizedTensor`
 at its row offset in the fused matrix (q|k|v, gate|up); adjacent segments of one type are packed
@@ -88,7 +90,7 @@ class QuantizedLinearMethod(LinearMethod):
         self.kernels = kernels  # for the huge-page arena (None: each packed weight its own allocation)
         kind = "int8 per channel" if int8 else "GGUF blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K)"
         arena = "; one huge-page arena" if kernels is not None else ""
-        self.description = f"quantized {kind}: {getattr(quant, 'description', 'avx512-bf16 kernels')}{arena}"
+        self.description = f"quantized {kind}: {getattr(quant, 'description', 'avx512-vnni kernels, int8 activations')}{arena}"
 
     def load_quantized(self, layer: Linear, row_start: int, tensor: QuantizedTensor) -> None:
         """Called by the model's `load_weights` for each GGUF tensor kept quantized."""
@@ -242,7 +244,7 @@ def model_weight_nbytes(model: nn.Module) -> int:
 @functools.cache
 def load_compiled_quant_kernels() -> Any | None:
     """The compiled quantized kernels (kernels/cpu_quant.py), or None where the module, the CPU
-    (AVX512-BF16) or the build is missing."""
+    (AVX512-BF16 and AVX512-VNNI) or the build is missing."""
     try:
         from chatserve.kernels.cpu_quant import load_quant_kernels
     except ImportError:
@@ -264,7 +266,7 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
                         kernels: CpuKernels | None) -> QuantizationChoice:
     """What `quantization` means for this model on this machine.
 
-    auto: a GGUF file keeps its blocks where the compiled kernels run (a CPU with AVX512-BF16, dtype
+    auto: a GGUF file keeps its blocks where the compiled kernels run (a CPU with AVX512-BF16 and -VNNI, dtype
     bfloat16), else it is de-quantised as before, with one log line saying why; a safetensors folder
     stays bf16. none: de-quantise. gguf / int8: asked for explicitly, so a model or machine that
     cannot honour them is an error naming the field; where only the compiled kernels are missing the
@@ -293,7 +295,7 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
         return NO_QUANTIZATION
     if quant is None:
         if requested == "auto":
-            logger.info("GGUF weights de-quantised at load: the quantized kernels need a CPU with AVX512-BF16 "
+            logger.info("GGUF weights de-quantised at load: the quantized kernels need a CPU with AVX512-BF16 and AVX512-VNNI "
                         "and a C++ compiler (pass quantization='gguf' to run the slow torch reference anyway)")
             return NO_QUANTIZATION
         logger.warning("quantization=%r: the compiled quantized kernels are unavailable; running the torch reference, "

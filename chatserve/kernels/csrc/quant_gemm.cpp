@@ -1,48 +1,48 @@
-// Quantized matmul for CPUs with AVX512-BF16: y[m, n] = x[m, :] . W[n, :] (+ bias[n]) over weights kept
+// Quantized matmul for CPUs with AVX512-VNNI: y[m, n] = x[m, :] . W[n, :] (+ bias[n]) over weights kept
 // in GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) or our weight-only int8 per output channel,
 // repacked once at load into the layout below (issue #21).
 //
-// Why one rule makes this correct and batch-invariant for free: every weight is de-quantised in
-// registers to EXACTLY the bf16 value the engine's de-quantising path uses (gguf's numpy
-// `dequantize` in fp32, then round-to-nearest-even to bf16), and fed to vdpbf16ps in exactly the
-// order of bf16_gemm.cpp's tile(): each output element is one fp32 chain over k pairs
-// 0 .. K/2-1, then + bias, then bf16 RNE. So quant_linear(x) has the bits of
-// bf16_gemm(x, bf16_gemm_pack(bf16(dequantize(raw)))) for every M, row position and thread split.
+// Why int8 activations and vpdpbusd, not de-quantising to bf16 for vdpbf16ps: decoding one stream is
+// one pass over the weights, and de-quantising each weight to bf16 in registers costs ~9 vector
+// instructions per 32 weights (load, widen, 2 table lookups, shift, 2 fma, convert, dot): measured,
+// that kernel ran at ~21 GB/s of Q4_1 weights on one core, compute-bound, below the memory's rate.
+// Here each row of x is quantised once per call to int8 in blocks of 32 (as llama.cpp's Q8 does), and
+// one vpdpbusd multiplies 16 outputs x 4 k of unsigned weight quants by 4 int8 activations: ~1.5
+// instructions per 32 weights for the 4-bit formats, plus 4 per sub-block of 16 outputs for the scales.
+// Measured in scripts/bench_quant.py (BENCHMARKS.md).
 //
-// Per format, the fp32 arithmetic mirrors numpy's and is exact where it says so (fp16 d has an 11-bit
-// significand, so products with small integers fit fp32's 24 bits):
-//   Q4_0  d * (q - 8)            computed as fma(q, d, -8d): q*d - 8d is exactly d*(q-8) (15 bits), exact
-//   Q4_1  d * q + m              d*q exact (15 bits), so fma(q, d, m) rounds once, as numpy's add does
-//   Q8_0  q * d                  exact (19 bits)
-//   Q4_K  (d*sc) * q - dmin*mn   d*sc (17 bits), dmin*mn (17), (d*sc)*q (21) exact; fmsub rounds once, as the subtract
-//   Q6_K  (d*sc) * (q - 32)      d*sc (<= 18 bits), times q-32 (<= 23 bits) exact
-//   int8  scale * q              one rounding (fp32 scale), as the definition says
-// then one vcvtne2ps2bf16 (RNE). No denormal arises (every nonzero weight is >= 2^-24 in magnitude).
+// The arithmetic, per output n and per sub-block j of the weight (32 values; 16 for Q6_K), in order
+// over the sub-blocks, one fp32 accumulator per output:
+//   weights   w = S[n,j] * u + B[n,j], u an unsigned integer quant (4 bits, 6 bits in a byte, or 8 bits)
+//   x block   dx = max|x| / 127 over its 32 values, xq = round-to-nearest-even(x * 127 / max|x|) in [-127, 127]
+//   integer   isum = sum u * xq (vpdpbusd, exact), xsum = sum xq
+//   offset    formats whose B is an integer multiple of S (B = -o S: Q4_0 o = 8, Q8_0 and int8 o = 128,
+//             Q6_K o = 32) subtract in integers: acc = fma(float(isum - o * xsum), S * dx, acc), so the
+//             signed product is exact before any rounding; Q4_1 / Q4_K (a float minimum):
+//             acc = fma(float(isum), S * dx, acc); acc = fma(B, dx * xsum, acc)
+// then + bias, bf16 round-to-nearest-even. Nothing in an output's arithmetic depends on M, on the
+// row's position in the batch, on the tile or on the thread split: the path is batch-invariant (the
+// determinism requirement), and prefill and decode give the same bits for the same row.
+// The weights S * u + B are exactly gguf's de-quantised values (quant_rows / quant_dequantize read
+// them back exactly, rounded to bf16); the error against the fp32 product is the activations' int8
+// rounding (tests/test_quant_gemm.py states and checks the tolerance).
 //
 // Packed layout: zmm columns of 16 outputs in groups of 4 (64 outputs; N is padded with zero weights),
 // each group one contiguous stream [4 column headers][block 0 of its 4 columns][block 1 ...]... (blocks
-// of the format along K; only int8 per channel has a header: 16 fp32 scales), and in each block the
-// per-output scales first (16 values per scale kind: fp16 d as in the file, 6-bit/int8 sub-block scales
-// as bytes) and then, per k pair p, the 16 outputs' (2p, 2p+1) weights:
-//   4-bit (Q4_0, Q4_1, Q4_K): 16 bytes; byte l holds q[n_(l/2)][2p + l%2] in its low nibble and
-//                             q[n_(8 + l/2)][2p + l%2] in its high nibble
-//   8-bit (Q8_0, Q6_K as q-32, int8): 32 bytes; byte l < 16 holds q[n_(l/2)][2p + l%2], byte 16 + l
-//                             holds q[n_(8 + l/2)][2p + l%2]
-// so vpmovzxbd + vpermps against a float table [0..15] (4-bit; vpermps reads only an index's low 4
-// bits, so it masks and converts in one instruction) or vpmovsxbd + vcvtdq2ps (8-bit), one fma or
-// multiply per half with the lanes' scales and ONE
-// vcvtne2ps2bf16(hi, lo) give exactly the [n0k0 n0k1 n1k0 ... n15k1] zmm that bf16_gemm reads: no
-// permute per k pair. Q6_K is kept as int8 (8.6 bits a weight instead of 6.6): simpler, and a 4+2-bit
-// split is left for later (see the notes of issue 21).
-//
-// Few rows (decode, up to 6): the weights are de-quantised in registers once per call and used for every row.
-// Many rows (prefill): a cache block of columns is de-quantised into a thread-local bf16 buffer in
-// the bf16_gemm register-tile layout and the same tile (a copy of bf16_gemm.cpp's) runs over all row
-// blocks, so the de-quantisation is amortised over M.
+// of the format along K; only int8 per channel has a header: 16 fp32 scales). In each block the
+// per-output scales come first (16 values per scale kind: fp16 d as in the file, 6-bit/int8 sub-block
+// scales as bytes), then per sub-block its quants in chunks of 64 bytes, lane i (bytes 4i..4i+3) for
+// output i:
+//   4-bit (Q4_0, Q4_1, Q4_K): a chunk holds 8 k: byte 4i+j = u[k0+j] | u[k0+4+j] << 4
+//   8-bit (Q8_0 and int8 as q+128, Q6_K as q): a chunk holds 4 k: byte 4i+j = u[k0+j]
+// so a chunk is one vpdpbusd per 4 k against a broadcast of 4 activation bytes (4-bit: after one
+// and / shift-and-and). Q6_K is kept in bytes (8.6 bits a weight instead of 6.6): simpler.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -50,31 +50,15 @@
 namespace {
 
 constexpr int64_t QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14, QT_INT8_CHANNEL = 1000;
-constexpr int kZmmCols = 16;     // outputs per zmm column
-constexpr int kPairBf16 = 32;    // bf16 values per k pair of one zmm column (64 B)
-constexpr int kMaxTileRows = 6;  // rows of a buffered register tile (24 accumulators at 4 columns)
+constexpr int kZmmCols = 16;   // outputs per zmm column
+constexpr int kChunk = 64;     // bytes of quants per vpdpbusd operand (16 outputs x 4 bytes)
+constexpr int kXBlock = 32;    // activation values per int8 scale
 
-// Up to this many rows (measured: 5-6 rows in registers beat the buffer by 1.3-1.9x; 8 rows in two
-// 4-row tiles lost to it), weights are de-quantised in registers: register tiles of 4 zmm columns and up
-// to QGEMM_TILE_ROWS rows (accumulators and the 4 columns' scales fill the 32 zmm registers; at 4 rows some
-// scales live in L1 as memory operands of the fma), more
-// rows as further row tiles over the same columns (their weights hot in L1, de-quantised again).
-// Above, into the buffer (each weight once per call, then read from L2 by every row block).
-#ifndef QGEMM_REG_ROWS
-#define QGEMM_REG_ROWS 6
-#endif
-#ifndef QGEMM_TILE_ROWS
-#define QGEMM_TILE_ROWS 6
-#endif
-// bytes ahead of the current sub-block that each column's stream prefetches
 #ifndef QGEMM_PF_BYTES
 #define QGEMM_PF_BYTES 8192
 #endif
 #ifndef QGEMM_ROW_BLOCK
-#define QGEMM_ROW_BLOCK 96
-#endif
-#ifndef QGEMM_COL_BLOCK_BYTES
-#define QGEMM_COL_BLOCK_BYTES (448 * 1024)
+#define QGEMM_ROW_BLOCK 256
 #endif
 #ifndef QGEMM_SPLIT_ROWS_MIN
 #define QGEMM_SPLIT_ROWS_MIN 64
@@ -83,13 +67,9 @@ constexpr int kMaxTileRows = 6;  // rows of a buffered register tile (24 accumul
 #define QGEMM_SPLIT_COLS_MIN 32
 #endif
 
-typedef int32_t __attribute__((may_alias, aligned(2))) pair_t;  // two adjacent bf16 of x
-
 // The prefetch distance, settable for measurement (scripts/bench_quant.py --prefetch): cold weights
 // stream at the memory's latency-bound rate unless enough bytes are in flight.
 int64_t g_pf_bytes = QGEMM_PF_BYTES;
-
-// ---- formats: where the scales and quants of a block lie, and the fp32 arithmetic of a weight ----
 
 __attribute__((always_inline)) inline __m512 half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -101,12 +81,13 @@ __attribute__((always_inline)) inline __m512 s8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Each format: kBlockK values per block along K, kSubs sub-blocks of kSubPairs k pairs (one scale
-// each), kHeader bytes at the start of a column, kBlockBytes per block and column, kRawBytes per
-// GGUF block (0: not a GGUF type), kNibbles (4-bit) or 8-bit quants; scales() gives the 16 outputs'
-// S (and B) of a sub-block, weight() the fp32 weights from the float quants.
+// ---- formats: where the scales and quants of a block lie, and S, B of a sub-block ----
+// Each format: kBlockK values per block along K, kSubs sub-blocks of kSubK values (one S, B each),
+// kHeader bytes at the start of a column, kBlockBytes per block and column, kRawBytes per GGUF block
+// (0: not a GGUF type), kNibbles (4-bit) or 8-bit quants, kOffset o > 0 when B = -o * S (the integer
+// path) or 0 when B is a float of its own; scales() gives the 16 outputs' S and B of a sub-block.
 struct FQ4_0 {
-  static constexpr int kBlockK = 32, kSubs = 1, kSubPairs = 16;
+  static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 8;
   static constexpr int64_t kHeader = 0, kBlockBytes = 32 + 256, kRawBytes = 18;
   static constexpr bool kNibbles = true;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int, __m512& s, __m512& b) {
@@ -114,11 +95,10 @@ struct FQ4_0 {
     b = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
   }
   static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int) { return blk + 32; }
-  static __attribute__((always_inline)) inline __m512 weight(__m512 q, __m512 s, __m512 b) { return _mm512_fmadd_ps(q, s, b); }
 };
 
 struct FQ4_1 {
-  static constexpr int kBlockK = 32, kSubs = 1, kSubPairs = 16;
+  static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 0;
   static constexpr int64_t kHeader = 0, kBlockBytes = 64 + 256, kRawBytes = 20;
   static constexpr bool kNibbles = true;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int, __m512& s, __m512& b) {
@@ -126,69 +106,65 @@ struct FQ4_1 {
     b = half16(blk + 32);
   }
   static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int) { return blk + 64; }
-  static __attribute__((always_inline)) inline __m512 weight(__m512 q, __m512 s, __m512 b) { return _mm512_fmadd_ps(q, s, b); }
 };
 
 struct FQ8_0 {
-  static constexpr int kBlockK = 32, kSubs = 1, kSubPairs = 16;
+  static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 128;
   static constexpr int64_t kHeader = 0, kBlockBytes = 32 + 512, kRawBytes = 34;
   static constexpr bool kNibbles = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int, __m512& s, __m512& b) {
     s = half16(blk);
-    b = _mm512_setzero_ps();
+    b = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
   }
   static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int) { return blk + 32; }
-  static __attribute__((always_inline)) inline __m512 weight(__m512 q, __m512 s, __m512) { return _mm512_mul_ps(q, s); }
 };
 
-// block: d [16 fp16], dmin [16 fp16], sc [8 sub][16 u8], mn [8 sub][16 u8], quants [8 sub][16 pairs][16 B]
+// block: d [16 fp16], dmin [16 fp16], sc [8 sub][16 u8], mn [8 sub][16 u8], quants [8 sub][4 chunks][64 B]
 struct FQ4_K {
-  static constexpr int kBlockK = 256, kSubs = 8, kSubPairs = 16;
+  static constexpr int kBlockK = 256, kSubs = 8, kSubK = 32, kOffset = 0;
   static constexpr int64_t kHeader = 0, kBlockBytes = 64 + 256 + 8 * 256, kRawBytes = 144;
   static constexpr bool kNibbles = true;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int sub, __m512& s, __m512& b) {
     s = _mm512_mul_ps(half16(blk), u8x16(blk + 64 + 16 * sub));
-    b = _mm512_mul_ps(half16(blk + 32), u8x16(blk + 192 + 16 * sub));
+    // gguf: (d * sc) * q - dmin * m; B = -(dmin * m) (exact: 11 + 6 bits)
+    b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(blk + 32), u8x16(blk + 192 + 16 * sub)));
   }
   static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int sub) { return blk + 320 + 256 * sub; }
-  static __attribute__((always_inline)) inline __m512 weight(__m512 q, __m512 s, __m512 b) { return _mm512_fmsub_ps(q, s, b); }
 };
 
-// block: d [16 fp16], sc [16 sub][16 i8], quants (q - 32 as int8) [16 sub][8 pairs][32 B]
+// block: d [16 fp16], sc [16 sub][16 i8], quants (q in 0..63, one byte each) [16 sub][4 chunks][64 B]
 struct FQ6_K {
-  static constexpr int kBlockK = 256, kSubs = 16, kSubPairs = 8;
+  static constexpr int kBlockK = 256, kSubs = 16, kSubK = 16, kOffset = 32;
   static constexpr int64_t kHeader = 0, kBlockBytes = 32 + 256 + 16 * 256, kRawBytes = 210;
   static constexpr bool kNibbles = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int sub, __m512& s, __m512& b) {
     s = _mm512_mul_ps(half16(blk), s8x16(blk + 32 + 16 * sub));
-    b = _mm512_setzero_ps();
+    b = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
   }
   static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int sub) { return blk + 288 + 256 * sub; }
-  static __attribute__((always_inline)) inline __m512 weight(__m512 q, __m512 s, __m512) { return _mm512_mul_ps(q, s); }
 };
 
-// column header: 16 fp32 scales; blocks of 32 values are only the loop's unit (no scales in them)
+// column header: 16 fp32 scales; blocks of 32 values (q + 128 as bytes) carry no scales
 struct FInt8 {
-  static constexpr int kBlockK = 32, kSubs = 1, kSubPairs = 16;
+  static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 128;
   static constexpr int64_t kHeader = 64, kBlockBytes = 512, kRawBytes = 0;
   static constexpr bool kNibbles = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t* col, const uint8_t*, int, __m512& s, __m512& b) {
     s = _mm512_loadu_ps(col);
-    b = _mm512_setzero_ps();
+    b = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
   }
   static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int) { return blk; }
-  static __attribute__((always_inline)) inline __m512 weight(__m512 q, __m512 s, __m512) { return _mm512_mul_ps(q, s); }
 };
 
 template <class F>
-constexpr int64_t pair_bytes() { return F::kNibbles ? 16 : 32; }
+constexpr int sub_chunks() { return F::kSubK / (F::kNibbles ? 8 : 4); }
 
 template <class F>
 int64_t column_bytes(int64_t K) { return F::kHeader + (K / F::kBlockK) * F::kBlockBytes; }
 
 // Columns lie in groups of 4 zmm columns (64 outputs), each group [4 headers][block 0 of its 4
-// columns][block 1 of its 4 columns]...: a register tile of 4 columns reads ONE sequential stream and
-// the next tile continues it (separate column streams started cold at every tile: 3x slower cold).
+// columns][block 1 of its 4 columns]...: a tile of 4 columns reads ONE sequential stream and the
+// next tile continues it (separate column streams started cold at every tile: 3x slower cold).
 constexpr int kGroupZmm = 4;
 
 template <class F>
@@ -216,80 +192,101 @@ auto dispatch(int64_t qtype, Fn&& fn) {
   }
 }
 
-// The 16 outputs' values of a scale kind spread over the lanes of the low half (outputs 0-7, each
-// twice: k even, k odd) and the high half (outputs 8-15).
-struct Lanes {
-  __m512 lo, hi;
-};
-__attribute__((always_inline)) inline Lanes spread(__m512 v) {
-  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  return {_mm512_permutexvar_ps(lo_idx, v), _mm512_permutexvar_ps(hi_idx, v)};
-}
-
-struct SubScales {
-  Lanes s, b;
-};
-
+// u of output i (0-15 in its column) at k (within the sub-block) from a sub-block's quants
 template <class F>
-__attribute__((always_inline)) inline SubScales sub_scales(const uint8_t* col, const uint8_t* blk, int sub) {
-  __m512 s, b;
-  F::scales(col, blk, sub, s, b);
-  return {spread(s), spread(b)};
-}
-
-// The bf16 weights of k pair `q` (its quant bytes) of one zmm column: [n0k0 n0k1 n1k0 ... n15k1].
-template <class F>
-__attribute__((always_inline)) inline __m512bh decode(const uint8_t* q, const SubScales& sc) {
-  __m512 lo, hi;
+inline int quant_at(const uint8_t* q, int i, int k) {
   if constexpr (F::kNibbles) {
-    // vpermps reads only the low 4 bits of each index: one instruction masks and converts a nibble
-    const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    lo = _mm512_permutexvar_ps(v, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    const uint8_t byte = q[(k / 8) * kChunk + 4 * i + (k % 8) % 4];
+    return (k % 8) < 4 ? (byte & 0xF) : (byte >> 4);
   } else {
-    lo = s8x16(q);
-    hi = s8x16(q + 16);
-  }
-  return _mm512_cvtne2ps_pbh(F::weight(hi, sc.s.hi, sc.b.hi), F::weight(lo, sc.s.lo, sc.b.lo));
-}
-
-// De-quantise block bl of zmm column c into dst [Kp][32] bf16 (bf16_gemm's zmm-column layout).
-template <class F>
-__attribute__((always_inline)) inline void decode_block(const Layout<F>& L, int64_t c, int64_t bl, uint16_t* dst) {
-  const uint8_t* col = L.header(c);
-  const uint8_t* blk = L.block(c, bl);
-  int64_t kp = bl * (F::kBlockK / 2);
-  for (int sub = 0; sub < F::kSubs; ++sub) {
-    const SubScales sc = sub_scales<F>(col, blk, sub);
-    const uint8_t* q = F::quants(blk, sub);
-    for (int pp = 0; pp < F::kSubPairs; ++pp, ++kp)
-      _mm512_storeu_si512(dst + kp * kPairBf16, (__m512i)decode<F>(q + pp * pair_bytes<F>(), sc));
+    return q[(k / 4) * kChunk + 4 * i + k % 4];
   }
 }
 
-// De-quantise k pairs of one zmm column into dst [Kp][32] bf16 (bf16_gemm's zmm-column layout).
+// The weights of output i (0-15) of zmm column c, de-quantised: dst [K] bf16, exactly bf16(S * u + B)
+// (one fma, rounded once: gguf's value; see the formats' notes).
 template <class F>
-void decode_column(const Layout<F>& L, int64_t c, int64_t K, uint16_t* dst) {
-  const int64_t blocks = K / F::kBlockK;
+void decode_output(const Layout<F>& L, int64_t c, int i, int64_t K, uint16_t* dst) {
   const uint8_t* col = L.header(c);
-  int64_t kp = 0;
-  for (int64_t bl = 0; bl < blocks; ++bl) {
+  alignas(64) float s[16], b[16];
+  alignas(64) float u[16];
+  for (int64_t bl = 0; bl < K / F::kBlockK; ++bl) {
     const uint8_t* blk = L.block(c, bl);
     for (int sub = 0; sub < F::kSubs; ++sub) {
-      const SubScales sc = sub_scales<F>(col, blk, sub);
+      __m512 sv, bv;
+      F::scales(col, blk, sub, sv, bv);
+      _mm512_store_ps(s, sv);
+      _mm512_store_ps(b, bv);
       const uint8_t* q = F::quants(blk, sub);
-      for (int pp = 0; pp < F::kSubPairs; ++pp, ++kp)
-        _mm512_storeu_si512(dst + kp * kPairBf16, (__m512i)decode<F>(q + pp * pair_bytes<F>(), sc));
+      for (int k0 = 0; k0 < F::kSubK; k0 += 16) {
+        for (int t = 0; t < 16; ++t) u[t] = static_cast<float>(quant_at<F>(q, i, k0 + t));
+        const __m512 w = _mm512_fmadd_ps(_mm512_load_ps(u), _mm512_set1_ps(s[i]), _mm512_set1_ps(b[i]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + bl * F::kBlockK + sub * F::kSubK + k0), (__m256i)_mm512_cvtneps_pbh(w));
+      }
     }
   }
 }
 
+// ---- activations: rows of x quantised to int8 in blocks of 32 ----
+
+struct XQuant {
+  std::vector<int8_t> q;     // [M][K]
+  std::vector<float> dx;     // [M][K / 32]
+  std::vector<int32_t> s16;  // [M][K / 16]: sum of q over 16 values
+  int64_t K = 0;
+  const int8_t* row(int64_t m) const { return q.data() + m * K; }
+  float scale(int64_t m, int64_t k) const { return dx[m * (K / kXBlock) + k / kXBlock]; }
+  // sum of q over the kSubK values from k
+  int32_t sum(int64_t m, int64_t k, int n) const {
+    const int32_t* s = s16.data() + m * (K / 16) + k / 16;
+    return n == 16 ? s[0] : s[0] + s[1];
+  }
+};
+
+// bf16 row -> int8 blocks of 32: dx = max|x| / 127 (fp32), q = rne(x * (127 / max|x|)); all-zero: 0
+void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* dx, int32_t* s16) {
+  const __m512 c127 = _mm512_set1_ps(127.0f);
+  for (int64_t b = 0; b < K / kXBlock; ++b) {
+    const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kXBlock));
+    const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kXBlock + 16));
+    const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw0), 16));
+    const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw1), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+    float d = 0.0f;
+    if (amax > 0.0f) {
+      d = amax / 127.0f;
+      const __m512 id = _mm512_div_ps(c127, _mm512_set1_ps(amax));
+      q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      // |x| * 127 / amax <= 127 up to one rounding: clamp so that no value escapes the int8 range
+      q0 = _mm512_max_epi32(_mm512_min_epi32(q0, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      q1 = _mm512_max_epi32(_mm512_min_epi32(q1, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kXBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kXBlock + 16), _mm512_cvtepi32_epi8(q1));
+    dx[b] = d;
+    s16[2 * b] = _mm512_reduce_add_epi32(q0);
+    s16[2 * b + 1] = _mm512_reduce_add_epi32(q1);
+  }
+}
+
+void quantize_rows(const uint16_t* x, int64_t lda, int64_t M, int64_t K, bool parallel, XQuant& out) {
+  out.K = K;
+  out.q.resize(static_cast<size_t>(M * K));
+  out.dx.resize(static_cast<size_t>(M * (K / kXBlock)));
+  out.s16.resize(static_cast<size_t>(M * (K / 16)));
+  auto body = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * lda, K, out.q.data() + m * K, out.dx.data() + m * (K / kXBlock), out.s16.data() + m * (K / 16));
+  };
+  if (parallel) at::parallel_for(0, M, 16, body);
+  else body(0, M);
+}
+
 struct QProblem {
-  const uint16_t* x;  // [M, lda] rows
-  int64_t lda;
-  const uint8_t* w;   // packed columns
+  const XQuant* xq;
+  const uint8_t* w;     // packed columns
   int64_t group_bytes;  // bytes per group of 4 zmm columns
   int64_t K;
   const uint16_t* bias;  // [N] or nullptr
@@ -302,7 +299,7 @@ __attribute__((always_inline)) inline __mmask16 column_mask(int64_t first, int64
   return left >= kZmmCols ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-// + bias, bf16 RNE, masked store: bf16_gemm's epilogue
+// + bias, bf16 RNE, masked store
 template <int MR, int NZ>
 __attribute__((always_inline)) inline void store_tile(const QProblem& p, int64_t m0, int64_t c0, __m512 (&acc)[MR][NZ]) {
 #pragma GCC unroll 8
@@ -322,17 +319,24 @@ __attribute__((always_inline)) inline void store_tile(const QProblem& p, int64_t
   }
 }
 
-// Few rows: MR rows x NZ zmm columns over all of K, the weights de-quantised in registers once for
-// all MR rows. Each accumulator is the same chain over k pairs 0 .. K/2-1 as bf16_gemm's tile().
+__attribute__((always_inline)) inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MR rows x NZ zmm columns over all of K: each chunk of weight quants is loaded (and its nibbles
+// split) once for the MR rows. The per-output arithmetic is the header's, whatever MR and NZ are.
 template <class F, int MR, int NZ>
-void reg_tile(const QProblem& p, int64_t m0, int64_t c0) {
+void tile(const QProblem& p, int64_t m0, int64_t c0) {
   const Layout<F> L{p.w, p.group_bytes};
+  const XQuant& X = *p.xq;
   const uint8_t* col[NZ];
 #pragma GCC unroll 8
   for (int j = 0; j < NZ; ++j) col[j] = L.header(c0 + j);
-  const uint16_t* xp[MR];
+  const int8_t* xr[MR];
 #pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) xp[m] = p.x + (m0 + m) * p.lda;
+  for (int m = 0; m < MR; ++m) xr[m] = X.row(m0 + m);
   __m512 acc[MR][NZ];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -340,32 +344,82 @@ void reg_tile(const QProblem& p, int64_t m0, int64_t c0) {
     for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_setzero_ps();
 
   const int64_t blocks = p.K / F::kBlockK;
-  constexpr int64_t sub_bytes = F::kSubPairs * pair_bytes<F>();
+  constexpr int chunks = sub_chunks<F>();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t pf = g_pf_bytes;
-  int64_t kp = 0;
   for (int64_t bl = 0; bl < blocks; ++bl) {
+    const uint8_t* blk[NZ];
+#pragma GCC unroll 8
+    for (int j = 0; j < NZ; ++j) blk[j] = L.block(c0 + j, bl);
     for (int sub = 0; sub < F::kSubs; ++sub) {
-      SubScales sc[NZ];
+      const int64_t k0 = bl * F::kBlockK + sub * F::kSubK;
       const uint8_t* q[NZ];
 #pragma GCC unroll 8
       for (int j = 0; j < NZ; ++j) {
-        const uint8_t* blk = L.block(c0 + j, bl);
-        sc[j] = sub_scales<F>(col[j], blk, sub);
-        q[j] = F::quants(blk, sub);
+        q[j] = F::quants(blk[j], sub);
 #pragma GCC unroll 8
-        for (int64_t o = 0; o < sub_bytes; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(q[j] + o + pf), _MM_HINT_T0);
+        for (int o = 0; o < chunks * kChunk; o += 64) _mm_prefetch(reinterpret_cast<const char*>(q[j] + o + pf), _MM_HINT_T0);
       }
-      for (int pp = 0; pp < F::kSubPairs; ++pp, ++kp) {
-        __m512bh xb[MR];
+      __m512i isum[MR][NZ];
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m)
-          xb[m] = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_t*>(xp[m] + 2 * kp));
+      for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-        for (int j = 0; j < NZ; ++j) {
-          const __m512bh wv = decode<F>(q[j] + pp * pair_bytes<F>(), sc[j]);
+        for (int j = 0; j < NZ; ++j) isum[m][j] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv, xb[m]);
+      for (int c = 0; c < chunks; ++c) {
+        if constexpr (F::kNibbles) {
+          __m512i lo[NZ], hi[NZ];
+#pragma GCC unroll 8
+          for (int j = 0; j < NZ; ++j) {
+            const __m512i v = _mm512_loadu_si512(q[j] + c * kChunk);
+            lo[j] = _mm512_and_si512(v, low4);
+            hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          }
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const __m512i xl = bcast4(xr[m] + k0 + 8 * c);
+            const __m512i xh = bcast4(xr[m] + k0 + 8 * c + 4);
+#pragma GCC unroll 8
+            for (int j = 0; j < NZ; ++j) {
+              isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], lo[j], xl);
+              isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], hi[j], xh);
+            }
+          }
+        } else {
+          __m512i w[NZ];
+#pragma GCC unroll 8
+          for (int j = 0; j < NZ; ++j) w[j] = _mm512_loadu_si512(q[j] + c * kChunk);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const __m512i xb = bcast4(xr[m] + k0 + 4 * c);
+#pragma GCC unroll 8
+            for (int j = 0; j < NZ; ++j) isum[m][j] = _mm512_dpbusd_epi32(isum[m][j], w[j], xb);
+          }
+        }
+      }
+      __m512 s[NZ], b[NZ];
+#pragma GCC unroll 8
+      for (int j = 0; j < NZ; ++j) F::scales(col[j], blk[j], sub, s[j], b[j]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const float dx = X.scale(m0 + m, k0);
+        const int32_t xs = X.sum(m0 + m, k0, F::kSubK);
+        const __m512 dxv = _mm512_set1_ps(dx);
+        if constexpr (F::kOffset != 0) {
+          const __m512i off = _mm512_set1_epi32(F::kOffset * xs);
+#pragma GCC unroll 8
+          for (int j = 0; j < NZ; ++j) {
+            const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[m][j], off));
+            acc[m][j] = _mm512_fmadd_ps(t, _mm512_mul_ps(s[j], dxv), acc[m][j]);
+          }
+        } else {
+          const __m512 xsv = _mm512_set1_ps(dx * static_cast<float>(xs));
+#pragma GCC unroll 8
+          for (int j = 0; j < NZ; ++j) {
+            const __m512 t = _mm512_cvtepi32_ps(isum[m][j]);
+            acc[m][j] = _mm512_fmadd_ps(t, _mm512_mul_ps(s[j], dxv), acc[m][j]);
+            acc[m][j] = _mm512_fmadd_ps(b[j], xsv, acc[m][j]);
+          }
         }
       }
     }
@@ -373,131 +427,52 @@ void reg_tile(const QProblem& p, int64_t m0, int64_t c0) {
   store_tile<MR, NZ>(p, m0, c0, acc);
 }
 
-// Many rows: bf16_gemm.cpp's tile() (copied, not shared, so that file's build hash stays put) over
-// de-quantised columns in a buffer: column j's k pair kp at w[j] + kp * 32.
-template <int MR, int NZ>
-void buf_tile(const QProblem& p, const uint16_t* const* w, int64_t m0, int64_t c0) {
-  const int64_t kps = p.K / 2;
-  const uint16_t* xp[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) xp[m] = p.x + (m0 + m) * p.lda;
-  __m512 acc[MR][NZ];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < kps; ++kp) {
-    __m512bh wv[NZ];
-#pragma GCC unroll 8
-    for (int j = 0; j < NZ; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kp * kPairBf16);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const pair_t*>(xp[m] + 2 * kp));
-#pragma GCC unroll 8
-      for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
-    }
-  }
-  store_tile<MR, NZ>(p, m0, c0, acc);
-}
-
 template <class F>
-using RegFn = void (*)(const QProblem&, int64_t, int64_t);
-using BufFn = void (*)(const QProblem&, const uint16_t* const*, int64_t, int64_t);
+using TileFn = void (*)(const QProblem&, int64_t, int64_t);
 
-template <class F, int MR>
-RegFn<F> reg_fn_cols(int nz) {
-  switch (nz) {
-    case 1: return &reg_tile<F, MR, 1>;
-    case 2: return &reg_tile<F, MR, 2>;
-    case 3: return &reg_tile<F, MR, 3>;
-    default: return &reg_tile<F, MR, 4>;
-  }
-}
-
+// Tiles: 1-2 rows x up to 4 columns (decode: one stream over a group), 3-4 rows x up to 2 columns
+// (accumulators, integer sums and the split nibbles within the 32 zmm registers).
 template <class F>
-RegFn<F> reg_fn(int mr, int nz) {
-  static_assert(QGEMM_TILE_ROWS == 6, "register tiles are instantiated for 1-6 rows x 1-4 columns");
-  TORCH_CHECK(mr >= 1 && mr <= QGEMM_TILE_ROWS && nz >= 1 && nz <= 4, "quant_gemm: no register tile of ", mr, " rows x ",
-              nz, " columns");
-  switch (mr) {
-    case 1: return reg_fn_cols<F, 1>(nz);
-    case 2: return reg_fn_cols<F, 2>(nz);
-    case 3: return reg_fn_cols<F, 3>(nz);
-    case 4: return reg_fn_cols<F, 4>(nz);
-    case 5: return reg_fn_cols<F, 5>(nz);
-    default: return reg_fn_cols<F, 6>(nz);
+TileFn<F> tile_fn(int mr, int nz) {
+  switch (mr * 8 + nz) {
+    case 1 * 8 + 1: return &tile<F, 1, 1>;
+    case 1 * 8 + 2: return &tile<F, 1, 2>;
+    case 1 * 8 + 3: return &tile<F, 1, 3>;
+    case 1 * 8 + 4: return &tile<F, 1, 4>;
+    case 2 * 8 + 1: return &tile<F, 2, 1>;
+    case 2 * 8 + 2: return &tile<F, 2, 2>;
+    case 2 * 8 + 3: return &tile<F, 2, 3>;
+    case 2 * 8 + 4: return &tile<F, 2, 4>;
+    case 3 * 8 + 1: return &tile<F, 3, 1>;
+    case 3 * 8 + 2: return &tile<F, 3, 2>;
+    case 4 * 8 + 1: return &tile<F, 4, 1>;
+    case 4 * 8 + 2: return &tile<F, 4, 2>;
+    default: TORCH_CHECK(false, "quant_gemm: no tile of ", mr, " rows x ", nz, " columns");
   }
 }
 
-#define QGEMM_TILE_CASE(MR, NZ) \
-  case (MR) * 16 + (NZ):        \
-    return &buf_tile<MR, NZ>;
-
-BufFn buf_fn(int mr, int nz) {
-  switch (mr * 16 + nz) {
-    QGEMM_TILE_CASE(1, 1) QGEMM_TILE_CASE(1, 2) QGEMM_TILE_CASE(1, 3) QGEMM_TILE_CASE(1, 4)
-    QGEMM_TILE_CASE(2, 1) QGEMM_TILE_CASE(2, 2) QGEMM_TILE_CASE(2, 3) QGEMM_TILE_CASE(2, 4)
-    QGEMM_TILE_CASE(3, 1) QGEMM_TILE_CASE(3, 2) QGEMM_TILE_CASE(3, 3) QGEMM_TILE_CASE(3, 4)
-    QGEMM_TILE_CASE(4, 1) QGEMM_TILE_CASE(4, 2) QGEMM_TILE_CASE(4, 3) QGEMM_TILE_CASE(4, 4)
-    QGEMM_TILE_CASE(5, 1) QGEMM_TILE_CASE(5, 2) QGEMM_TILE_CASE(5, 3) QGEMM_TILE_CASE(5, 4)
-    QGEMM_TILE_CASE(6, 1) QGEMM_TILE_CASE(6, 2) QGEMM_TILE_CASE(6, 3) QGEMM_TILE_CASE(6, 4)
-    default: TORCH_CHECK(false, "quant_gemm: no buffered tile of ", mr, " rows x ", nz, " columns");
-  }
-}
-#undef QGEMM_TILE_CASE
-
-// Rows [r0, r1) x zmm columns [c0, c1). Only which elements are computed together depends on the
-// sizes here, never how one is.
+// Rows [r0, r1) x zmm columns [c0, c1). Which elements are computed together depends on the sizes
+// here, never how one is.
 template <class F>
 void run_block(const QProblem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
   const int64_t rows_all = r1 - r0;
-  if (rows_all <= QGEMM_REG_ROWS) {
-    const int64_t tiles = (rows_all + QGEMM_TILE_ROWS - 1) / QGEMM_TILE_ROWS;
-    const int64_t base = rows_all / tiles, extra = rows_all % tiles;  // rows spread evenly over the tiles
-    for (int64_t c = c0; c < c1; c += 4) {
-      const int nz = static_cast<int>(std::min<int64_t>(4, c1 - c));
-      int64_t m = r0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int mr = static_cast<int>(base + (t < extra ? 1 : 0));
-        reg_fn<F>(mr, nz)(p, m, c);
-        m += mr;
-      }
-    }
+  if (rows_all <= 2) {
+    for (int64_t c = c0; c < c1; c += 4) tile_fn<F>(static_cast<int>(rows_all), static_cast<int>(std::min<int64_t>(4, c1 - c)))(p, r0, c);
     return;
   }
-  const int64_t kps = p.K / 2;
-  const int64_t zmm_bytes = kps * kPairBf16 * 2;
-  const int64_t col_block = std::max<int64_t>(4, QGEMM_COL_BLOCK_BYTES / zmm_bytes / 4 * 4);
-  std::vector<uint16_t> buf(static_cast<size_t>(std::min<int64_t>(col_block, c1 - c0) * kps * kPairBf16));
-  for (int64_t cb = c0; cb < c1; cb += col_block) {
-    const int64_t cb_end = std::min<int64_t>(c1, cb + col_block);
-    // in memory order (block by block across a group's columns), prefetched ahead: one stream
-    const Layout<F> L{p.w, p.group_bytes};
-    const int64_t blocks = p.K / F::kBlockK;
-    for (int64_t g0 = cb; g0 < cb_end; g0 += kGroupZmm) {
-      const int64_t g1 = std::min<int64_t>(cb_end, g0 + kGroupZmm);
-      for (int64_t bl = 0; bl < blocks; ++bl)
-        for (int64_t c = g0; c < g1; ++c) {
-          const uint8_t* blk = L.block(c, bl);
-          for (int64_t o = 0; o < F::kBlockBytes; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(blk + o + g_pf_bytes), _MM_HINT_T0);
-          decode_block<F>(L, c, bl, buf.data() + (c - cb) * kps * kPairBf16);
-        }
-    }
-    for (int64_t mb = r0; mb < r1; mb += QGEMM_ROW_BLOCK) {
-      const int64_t rows = std::min<int64_t>(QGEMM_ROW_BLOCK, r1 - mb);
-      const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
-      const int64_t base = rows / tiles, extra = rows % tiles;
-      for (int64_t c = cb; c < cb_end; c += 4) {
-        const int nz = static_cast<int>(std::min<int64_t>(4, cb_end - c));
-        const uint16_t* w[4];
-        for (int j = 0; j < nz; ++j) w[j] = buf.data() + (c - cb + j) * kps * kPairBf16;
-        int64_t m = mb;
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int mr = static_cast<int>(base + (t < extra ? 1 : 0));
-          buf_fn(mr, nz)(p, w, m, c);
-          m += mr;
-        }
+  // row blocks (their int8 rows stay in L2), then column pairs (their quants stay in L1/L2 while the
+  // row tiles of the block pass over them)
+  for (int64_t mb = r0; mb < r1; mb += QGEMM_ROW_BLOCK) {
+    const int64_t rows = std::min<int64_t>(QGEMM_ROW_BLOCK, r1 - mb);
+    const int64_t tiles = (rows + 3) / 4;
+    const int64_t base = rows / tiles, extra = rows % tiles;  // rows spread evenly over the tiles
+    for (int64_t c = c0; c < c1; c += 2) {
+      const int nz = static_cast<int>(std::min<int64_t>(2, c1 - c));
+      int64_t m = mb;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int mr = static_cast<int>(base + (t < extra ? 1 : 0));
+        tile_fn<F>(mr, nz)(p, m, c);
+        m += mr;
       }
     }
   }
@@ -539,33 +514,25 @@ torch::Tensor packed_out(c10::optional<torch::Tensor> out_opt, int64_t bytes, co
 
 // ---- repacking GGUF blocks (one output row's block at a time) into a zmm column's block ----
 
-// where the quant of output i (0-15 in the column) at k pair pp, element e (0/1) of a sub-block goes
-inline void put_nibble(uint8_t* q, int i, int pp, int e, uint8_t v) {
-  q[pp * 16 + (i % 8) * 2 + e] |= static_cast<uint8_t>((v & 0xF) << (i >= 8 ? 4 : 0));
+// where the quant u of output i (0-15 in the column) at k (within its sub-block) goes
+inline void put_nibble(uint8_t* q, int i, int k, uint8_t u) {
+  q[(k / 8) * kChunk + 4 * i + (k % 8) % 4] |= static_cast<uint8_t>((u & 0xF) << ((k % 8) < 4 ? 0 : 4));
 }
-inline void put_byte(uint8_t* q, int i, int pp, int e, int8_t v) {
-  q[pp * 32 + (i >= 8 ? 16 : 0) + (i % 8) * 2 + e] = static_cast<uint8_t>(v);
-}
+inline void put_byte(uint8_t* q, int i, int k, uint8_t u) { q[(k / 4) * kChunk + 4 * i + k % 4] = u; }
 
 // raw: one GGUF block of output i; blk: the column's packed block (zeroed before the first output)
 void repack_q4_0(const uint8_t* raw, uint8_t* blk, int i) {
   std::memcpy(blk + 2 * i, raw, 2);
-  for (int k = 0; k < 32; ++k) {
-    const uint8_t v = k < 16 ? (raw[2 + k] & 0xF) : (raw[2 + k - 16] >> 4);
-    put_nibble(blk + 32, i, k / 2, k % 2, v);
-  }
+  for (int k = 0; k < 32; ++k) put_nibble(blk + 32, i, k, k < 16 ? (raw[2 + k] & 0xF) : (raw[2 + k - 16] >> 4));
 }
 void repack_q4_1(const uint8_t* raw, uint8_t* blk, int i) {
   std::memcpy(blk + 2 * i, raw, 2);
   std::memcpy(blk + 32 + 2 * i, raw + 2, 2);
-  for (int k = 0; k < 32; ++k) {
-    const uint8_t v = k < 16 ? (raw[4 + k] & 0xF) : (raw[4 + k - 16] >> 4);
-    put_nibble(blk + 64, i, k / 2, k % 2, v);
-  }
+  for (int k = 0; k < 32; ++k) put_nibble(blk + 64, i, k, k < 16 ? (raw[4 + k] & 0xF) : (raw[4 + k - 16] >> 4));
 }
 void repack_q8_0(const uint8_t* raw, uint8_t* blk, int i) {
   std::memcpy(blk + 2 * i, raw, 2);
-  for (int k = 0; k < 32; ++k) put_byte(blk + 32, i, k / 2, k % 2, static_cast<int8_t>(raw[2 + k]));
+  for (int k = 0; k < 32; ++k) put_byte(blk + 32, i, k, static_cast<uint8_t>(raw[2 + k] ^ 0x80));  // q + 128
 }
 // gguf Q4_K: d, dmin (fp16), 12 bytes of 6-bit scales/mins (gguf.quants.Q4_K.get_scale_min), 128 bytes:
 // chunk c of 32 bytes holds sub-block 2c in its low nibbles and 2c + 1 in its high nibbles
@@ -589,13 +556,12 @@ void repack_q4_k(const uint8_t* raw, uint8_t* blk, int i) {
   for (int k = 0; k < 256; ++k) {
     const int j = k / 32, l = k % 32;
     const uint8_t byte = qs[(j / 2) * 32 + l];
-    const uint8_t v = (j % 2) ? (byte >> 4) : (byte & 0xF);
-    put_nibble(blk + 320 + 256 * j, i, l / 2, l % 2, v);
+    put_nibble(blk + 320 + 256 * j, i, l, (j % 2) ? (byte >> 4) : (byte & 0xF));
   }
 }
 // gguf Q6_K: ql [128], qh [64], scales [16 int8], d (fp16). Value k: chunk t = k / 32, l = k % 32;
 // low 4 bits: ql[(t / 4) * 64 + (t % 2) * 32 + l] nibble (t / 2) % 2; high 2 bits: qh[(t / 4) * 32 + l]
-// >> 2 (t % 4); q - 32 in int8. Sub-block of 16 values: k / 16.
+// >> 2 (t % 4); u = q in 0..63 (the weight is d * sc * (q - 32)). Sub-block of 16 values: k / 16.
 void repack_q6_k(const uint8_t* raw, uint8_t* blk, int i) {
   const uint8_t* ql = raw;
   const uint8_t* qh = raw + 128;
@@ -607,8 +573,7 @@ void repack_q6_k(const uint8_t* raw, uint8_t* blk, int i) {
     const uint8_t lb = ql[(t / 4) * 64 + (t % 2) * 32 + l];
     const int lo = ((t / 2) % 2) ? (lb >> 4) : (lb & 0xF);
     const int hi = (qh[(t / 4) * 32 + l] >> (2 * (t % 4))) & 3;
-    const int sub = k / 16, kk = k % 16;
-    put_byte(blk + 288 + 256 * sub, i, kk / 2, kk % 2, static_cast<int8_t>((lo | (hi << 4)) - 32));
+    put_byte(blk + 288 + 256 * (k / 16), i, k % 16, static_cast<uint8_t>(lo | (hi << 4)));
   }
 }
 
@@ -627,7 +592,7 @@ void pack_gguf(const uint8_t* raw, int64_t row_bytes, int64_t N, int64_t K, uint
   const Layout<F> L{dst, gb};
   at::parallel_for(0, zmm_groups(N), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      std::memset(dst + g * gb, 0, gb);  // padding outputs: zero scales and quants, weight 0 (never stored)
+      std::memset(dst + g * gb, 0, gb);  // padding outputs: zero scales, weight 0 (never stored)
       for (int64_t c = g * kGroupZmm; c < (g + 1) * kGroupZmm; ++c)
         for (int64_t bl = 0; bl < blocks; ++bl)
           for (int i = 0; i < kZmmCols; ++i) {
@@ -639,7 +604,6 @@ void pack_gguf(const uint8_t* raw, int64_t row_bytes, int64_t N, int64_t K, uint
 }
 
 }  // namespace
-
 int64_t quant_packed_nbytes(int64_t qtype, int64_t N, int64_t K) {
   return dispatch(qtype, [&](auto f) { return nbytes<decltype(f)>(N, K); });
 }
@@ -688,7 +652,7 @@ torch::Tensor quant_pack_int8(torch::Tensor q, torch::Tensor scale, c10::optiona
           std::memcpy(sc + i, sp + n, 4);
           for (int64_t bl = 0; bl < blocks; ++bl)
             for (int k = 0; k < 32; ++k)
-              put_byte(const_cast<uint8_t*>(L.block(c, bl)), i, k / 2, k % 2, src[n * K + bl * 32 + k]);
+              put_byte(const_cast<uint8_t*>(L.block(c, bl)), i, k, static_cast<uint8_t>(src[n * K + bl * 32 + k] ^ 0x80));  // q + 128
         }
       }
     }
@@ -717,13 +681,16 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype,
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const int64_t group_bytes = dispatch(qtype, [&](auto f) { return kGroupZmm * column_bytes<decltype(f)>(K); });
-  QProblem p{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M == 1 ? K : x.stride(0),
-             packed.data_ptr<uint8_t>(), group_bytes, K, bp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N};
   const int64_t C = zmm_columns(N);
   int64_t threads = at::get_num_threads();
   if (M * N * K < (int64_t(1) << 18)) threads = 1;
   const bool split_rows = M >= QGEMM_SPLIT_ROWS_MIN && C < QGEMM_SPLIT_COLS_MIN * threads;
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, split_rows ? M : zmm_groups(N)));
+  // x quantised once for every tile and thread (a thread-local buffer: no allocation per decode call)
+  thread_local XQuant xq;
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M == 1 ? K : x.stride(0), M, K,
+                threads > 1 && M >= 64, xq);
+  QProblem p{&xq, packed.data_ptr<uint8_t>(), group_bytes, K, bp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N};
   dispatch(qtype, [&](auto f) {
     using F = decltype(f);
     if (threads == 1) {
@@ -745,7 +712,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t qtype,
   return y;
 }
 
-// The whole bf16 [N, K] matrix the packed weight stands for (the values the matmul multiplies).
+// The whole bf16 [N, K] matrix the packed weight stands for (gguf's de-quantised values, rounded to bf16).
 torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t N, int64_t K) {
   check_packed(packed, qtype, N, K, "quant dequantize");
   auto out = torch::empty({N, K}, torch::dtype(torch::kBFloat16));
@@ -754,17 +721,8 @@ torch::Tensor quant_dequantize(torch::Tensor packed, int64_t qtype, int64_t N, i
   dispatch(qtype, [&](auto f) {
     using F = decltype(f);
     const Layout<F> L{src, kGroupZmm * column_bytes<F>(K)};
-    const int64_t kps = K / 2;
-    at::parallel_for(0, zmm_columns(N), 1, [&](int64_t c0, int64_t c1) {
-      std::vector<uint16_t> buf(static_cast<size_t>(kps * kPairBf16));
-      for (int64_t c = c0; c < c1; ++c) {
-        decode_column<F>(L, c, K, buf.data());
-        for (int i = 0; i < kZmmCols && c * kZmmCols + i < N; ++i) {
-          uint32_t* row = reinterpret_cast<uint32_t*>(dst + (c * kZmmCols + i) * K);
-          const uint32_t* pairs = reinterpret_cast<const uint32_t*>(buf.data());
-          for (int64_t kp = 0; kp < kps; ++kp) row[kp] = pairs[kp * kZmmCols + i];
-        }
-      }
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) decode_output<F>(L, n / kZmmCols, static_cast<int>(n % kZmmCols), K, dst + n * K);
     });
     return 0;
   });
@@ -788,16 +746,9 @@ torch::Tensor quant_rows(torch::Tensor packed, int64_t qtype, torch::Tensor ids,
   dispatch(qtype, [&](auto f) {
     using F = decltype(f);
     const Layout<F> L{src, kGroupZmm * column_bytes<F>(K)};
-    const int64_t kps = K / 2;
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      std::vector<uint16_t> buf(static_cast<size_t>(kps * kPairBf16));
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t c = idp[t] / kZmmCols, i = idp[t] % kZmmCols;
-        decode_column<F>(L, c, K, buf.data());
-        uint32_t* row = reinterpret_cast<uint32_t*>(dst + t * K);
-        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(buf.data());
-        for (int64_t kp = 0; kp < kps; ++kp) row[kp] = pairs[kp * kZmmCols + i];
-      }
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        decode_output<F>(L, idp[t] / kZmmCols, static_cast<int>(idp[t] % kZmmCols), K, dst + t * K);
     });
     return 0;
   });

@@ -92,7 +92,7 @@ def load_hf_config(source: ModelSource) -> Any:
 
     folder = gguf_metadata_folder(source) if source.is_gguf else None
     if folder is not None:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
+        return saved_metadata_config(folder)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         kwargs["gguf_file"] = source.gguf_file
@@ -103,12 +103,37 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     folder = gguf_metadata_folder(source) if source.is_gguf else None
-    if folder is not None:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if folder is not None:  # given the config, AutoTokenizer does not import the model's config class
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, config=saved_metadata_config(folder))
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         kwargs["gguf_file"] = source.gguf_file
     return AutoTokenizer.from_pretrained(source.folder, **kwargs)
+
+
+def saved_metadata_config(folder: str) -> Any:
+    """The config.json of a GGUF metadata folder (`gguf_metadata_folder`), read without importing
+    the model's own config class: a `PreTrainedConfig` subclass named by its model_type.
+
+    Why: importing e.g. `LlamaConfig` imports transformers' weight-loading code, and with it
+    torch.distributed.tensor and sympy: ~65 MiB of resident memory, a quarter of the default
+    model's bf16 weights, for nothing the engine reads. The folder was written by
+    `save_pretrained` of the real class, which leaves out only values equal to the base class's
+    defaults, so the base class reads back the same values; keys the base class would drop
+    (generation settings such as use_cache) are set as plain attributes, so `to_dict()` matches.
+    """
+    from transformers import PreTrainedConfig
+
+    path = Path(folder, "config.json")
+    values = json.loads(path.read_text())
+    model_type = values.get("model_type", "")
+    cls: type[PreTrainedConfig] = type("SavedMetadataConfig", (PreTrainedConfig,), {"model_type": model_type})
+    config = cls.from_dict(values)
+    for key, value in values.items():
+        if not hasattr(config, key):
+            setattr(config, key, value)
+    config._name_or_path = str(folder)
+    return config
 
 
 def metadata_cache_root() -> Path:

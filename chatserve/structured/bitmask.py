@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import xgrammar as xgr
+
+# NOTE: xgrammar is imported where used: it (its C++ library, tvm_ffi, tiktoken) is ~20 MiB of
+# resident memory that an engine serving no grammar never needs.
 
 _BITS = 32
 
@@ -44,6 +46,8 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
 def apply_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """xgrammar's CPU kernel where it applies (float32, CPU, contiguous rows), the torch expansion elsewhere."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        import xgrammar as xgr
+
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=list(rows))
     else:
         apply_bitmask_torch(logits, bitmask, rows)
@@ -58,6 +62,8 @@ def fill_and_apply_bitmask_(logits: torch.Tensor, matchers: Sequence[BitmaskFill
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return rows
+    import xgrammar as xgr
+
     # NOTE: one row per batch row (indices address rows of both tensors); unconstrained rows stay all-ones.
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
     for i in rows:

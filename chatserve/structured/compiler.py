@@ -20,11 +20,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from chatserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # imported where used: xgrammar (its C++ library, tvm_ffi, tiktoken) is ~20 MiB
+    import xgrammar as xgr  # of resident memory that an engine serving no grammar never needs
 
 CacheKey = tuple[str, str]
 
@@ -78,6 +79,8 @@ def _structural_tag_text(value: dict[str, Any] | str) -> str:
     """The structural tag as xgrammar's JSON; the legacy vLLM shape ({structures, triggers}) is converted."""
     data = json.loads(value) if isinstance(value, str) else value
     if isinstance(data, dict) and "structures" in data and "format" not in data:
+        import xgrammar as xgr
+
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=s.get("schema", {}), end=s["end"]) for s in data["structures"]]
         return xgr.StructuralTag.from_legacy_structural_tag(items, list(data.get("triggers", []))).model_dump_json()
     return json.dumps(data)
@@ -211,6 +214,8 @@ class GrammarCompilerService:
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
+            import xgrammar as xgr
+
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )

@@ -10,14 +10,20 @@ advanced twice: it always stands after the last output token.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:  # imported where used: xgrammar (its C++ library, tvm_ffi, tiktoken) is ~20 MiB
+    import xgrammar as xgr  # of resident memory that an engine serving no grammar never needs
 
 
 class SequenceMatcher:
     """A GrammarMatcher over one compiled grammar; each of a request's n sequences has its own."""
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        import xgrammar as xgr
+
         self._matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
 

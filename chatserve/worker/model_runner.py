@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +24,33 @@ logger = logging.getLogger(__name__)
 class StepInterrupted(Exception):
     """Raised between layers to stop a forward pass whose work nobody will read (every request in
     it is being aborted). The step then counts for nothing: see LLMEngine.step."""
+
+
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+def _materialise(model: _M, device: torch.device) -> _M:
+    """`model.to_empty(device=device)` without its `torch.empty_like`: each meta parameter and
+    buffer becomes an uninitialised `torch.empty` of its shape and dtype (pages untouched until
+    load_weights writes them).
+
+    Why not to_empty: `empty_like` of a meta tensor goes through torch's Python reference
+    (`torch._refs`), which imports sympy (~30 MiB resident) just to compute the strides of a
+    contiguous tensor.
+    """
+    fresh: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fresh:
+            fresh[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return fresh[id(t)]
+
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            module._parameters[name] = torch.nn.Parameter(empty(param), requires_grad=param.requires_grad)
+        for name, buf in module.named_buffers(recurse=False):
+            module._buffers[name] = empty(buf)
+    return model
 
 
 class ModelRunner:
@@ -50,7 +78,7 @@ class ModelRunner:
         # that every parameter is filled).
         with torch.device("meta"):
             model = model_cls(model_config, max_model_len, ops)
-        model = model.to(dtype).to_empty(device=device)
+        model = _materialise(model.to(dtype), device)
         model.rotary = RotaryEmbedding(model_config.hf_config, model_config.head_dim, max_model_len).to(device)
         model.load_weights(iter_weights(source, hf_config, dtype, keep_qtypes=ops.gguf_qtypes))
         model.process_weights()

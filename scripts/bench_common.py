@@ -401,11 +401,13 @@ def run_worker_process(
 
 def run_engine_workers(
     script: str, engines: Sequence[str], spec: dict[str, Any], *, result_marker: str, threads: int, timeout: float,
-    extra_args: Sequence[str] = (),
+    extra_args: Sequence[str] = (), executables: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """`script --worker ENGINE --spec PATH` for each engine, one after another, on one spec file.
 
     The parent builds the workload once (as token ids) so every engine sees identical inputs.
+    `executables` maps an engine to the python that runs its worker (default: this one), e.g.
+    llama-cpp-python's own virtualenv; such a worker imports only the stdlib parts of this module.
     """
     import tempfile
 
@@ -415,7 +417,8 @@ def run_engine_workers(
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         for engine in engines:
-            cmd = [sys.executable, os.path.abspath(script), "--worker", engine, "--spec", spec_path, *extra_args]
+            python = (executables or {}).get(engine, sys.executable)
+            cmd = [python, os.path.abspath(script), "--worker", engine, "--spec", spec_path, *extra_args]
             results[engine] = run_worker_process(cmd, engine, result_marker=result_marker, timeout=timeout,
                                                  threads=threads)
     return results

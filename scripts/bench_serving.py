@@ -937,6 +937,49 @@ def format_table(summaries: list[dict[str, Any]], labels: list[str] | None = Non
     return bc.markdown_table(rows)
 
 
+# (label, value of a summary, higher is better): the rows of --grid, one block per concurrency.
+GRID_ROWS: list[tuple[str, Any, bool, str]] = [
+    ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"], False, "{:.0f}"),
+    ("TTFT p90 (ms)", lambda s: s["ttft_ms"]["p90"], False, "{:.0f}"),
+    ("ITL p50 (ms)", lambda s: s["itl_ms"]["p50"], False, "{:.1f}"),
+    ("ITL p90 (ms)", lambda s: s["itl_ms"]["p90"], False, "{:.1f}"),
+    ("output tokens/s", lambda s: s.get("output_tokens_per_s"), True, "{:.1f}"),
+    ("completed / requests", lambda s: f"{s['num_completed']}/{s['num_requests']}", None, "{}"),
+]
+
+
+def grid_table(runs: list[dict[str, Any]]) -> str:
+    """Saved runs of several servers (labels) at several concurrencies as one table: a block of rows
+    per concurrency, a column per label (in order of first appearance), then for each label after the
+    first the ratio first vs it (>1 = the first label better: lower latency or higher throughput)."""
+    labels: list[str] = []
+    by: dict[tuple[int, str], dict[str, Any]] = {}
+    for run in runs:
+        label = str(run.get("label", "?"))
+        if label not in labels:
+            labels.append(label)
+        by[(int(run.get("settings", {}).get("concurrency") or 0), label)] = run
+    header = ["concurrency: metric", *labels, *(f"ratio {labels[0]} vs {other}" for other in labels[1:])]
+    rows = [header]
+    for conc in sorted({c for c, _ in by}):
+        for name, fn, higher_better, spec in GRID_ROWS:
+            vals = []
+            for label in labels:
+                run = by.get((conc, label))
+                try:
+                    vals.append(fn(run) if run else None)
+                except (KeyError, TypeError):
+                    vals.append(None)
+            ratios = []
+            for v in vals[1:]:
+                if higher_better is None:
+                    ratios.append("")
+                else:
+                    ratios.append(_f(bc.ratio(vals[0], v) if higher_better else bc.ratio(v, vals[0]), "{:.2f}x"))
+            rows.append([f"{conc}: {name}", *(_f(v, spec) for v in vals), *ratios])
+    return bc.markdown_table(rows)
+
+
 def write_plot(path: str, runs: list[dict[str, Any]]) -> None:
     """ECDFs of TTFT and ITL (log x), one line per run, medians dashed."""
     import matplotlib
@@ -1080,6 +1123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--side-by-side", nargs="+", metavar="JSON", default=None,
                    help="only print a table of saved runs (and --plot them together); no requests")
+    g.add_argument("--grid", nargs="+", metavar="JSON", default=None,
+                   help="only print saved runs as one table by concurrency (rows) and label (columns), "
+                        "TTFT/ITL p50/p90 with ratios; no requests")
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1 or args.prompt_tokens < 1:
         p.error("--num-requests, --concurrency, --max-tokens and --prompt-tokens must be at least 1")
@@ -1090,6 +1136,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.grid:
+        runs = []
+        for path in args.grid:
+            with open(path) as fh:
+                runs.append(json.load(fh))
+        print(grid_table(runs))
+        return 0
     if args.side_by_side:
         runs = [json.load(open(path)) for path in args.side_by_side]
         print(format_table(runs))

@@ -12,6 +12,7 @@ from chatserve.worker.sampler import (
     SamplingTensors,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    greedy_tokens,
     make_generator,
 )
 
@@ -56,6 +57,26 @@ def test_greedy_is_argmax() -> None:
     result = run(logits, [SamplingParams(temperature=0)] * 8)
     assert result.token_ids == logits.argmax(dim=-1).tolist()
     assert result.logprobs == [None] * 8
+
+
+def test_greedy_tokens_match_torch_max_on_ties_nan_and_inf() -> None:
+    """The numpy argmax of the greedy path returns torch.max(dim)'s indices: the first of tied maxima,
+    a NaN as the largest, index 0 of a row of -inf, -0.0 and 0.0 as equals."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        logits = torch.randint(-3, 3, (1 + trial % 5, 200), generator=gen).float()  # many ties
+        if trial % 7 == 0:
+            logits[0, trial % 200] = float("nan")
+        if trial % 11 == 0:
+            logits[:, 5] = float("nan")
+        if trial % 13 == 0:
+            logits[-1] = float("-inf")
+        if trial % 17 == 0:
+            logits[0, :3] = float("-inf")
+            logits[0, 3:] = torch.where(torch.arange(197) % 2 == 0, -0.0, 0.0)
+        expected = logits.max(dim=-1).indices
+        assert torch.equal(greedy_tokens(logits), expected), trial
+        assert torch.equal(greedy_tokens(logits[:, ::2]), logits[:, ::2].max(dim=-1).indices), trial
 
 
 def test_top_k_one_is_greedy_and_greedy_rows_ignore_sampled_neighbours() -> None:

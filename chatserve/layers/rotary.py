@@ -69,15 +69,18 @@ class QKRotary:
         self.qk_norm = qk_norm
         fits = qk_norm is None and head_dim % 32 == 0
         self._kernel = kernels.rope_inplace if kernels is not None and fits else None
+        self._heads = [num_heads, num_kv_heads, num_kv_heads]  # q|k|v heads, as split_with_sizes takes them
 
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D], rotated k [T, KVH, D], v [T, KVH, D]."""
-        t, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self._kernel is not None and qkv.dtype == torch.bfloat16:
             self._kernel(qkv, cos, sin, h + kvh, d)
-            qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
-            q, k = qk.view(t, h + kvh, d).split([h, kvh], dim=1)
-            return q, k, v.view(t, kvh, d)
+            # NOTE: one view and one split into q, k, v (the same views as splitting twice): this runs
+            # every layer of every step, and each torch view op costs microseconds of Python.
+            q, k, v = qkv.view(qkv.shape[0], h + 2 * kvh, d).split_with_sizes(self._heads, dim=1)
+            return q, k, v
+        t = qkv.shape[0]
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(t, h + kvh, d)
         if self.qk_norm is not None:

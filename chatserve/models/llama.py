@@ -8,6 +8,7 @@ matmul each at load time: fewer, larger matmuls are faster on every device.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,12 +42,13 @@ class Attention(nn.Module):
             qk_norm = (self.q_norm, self.k_norm)
         self.rotate = QKRotary(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm=qk_norm, kernels=ops.cpu)
         self.attn: AttentionBackend = ops.attention
+        self._qkv_proj, self._o_proj = direct(self.qkv_proj), direct(self.o_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.rotate(self.qkv_proj(x), *rope)
+        q, k, v = self.rotate(self._qkv_proj(x), *rope)
         out = self.attn.forward(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.attn, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return self._o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
@@ -55,9 +57,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, ops.linear)
         self.act = SiluAndMul(cfg.intermediate_size, ops.cpu)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops.linear)
+        self._gate_up_proj, self._act, self._down_proj = direct(self.gate_up_proj), direct(self.act), direct(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self._down_proj(self._act(self._gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -67,6 +70,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
         self.mlp = MLP(cfg, ops)
+        self._input_norm, self._input_add_norm = direct(self.input_layernorm), self.input_layernorm.add_and_norm
+        self._self_attn, self._post_add_norm = direct(self.self_attn), self.post_attention_layernorm.add_and_norm
+        self._mlp = direct(self.mlp)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
@@ -75,12 +81,24 @@ class DecoderLayer(nn.Module):
         """Returns (this layer's MLP output, the residual stream before it); the caller adds them
         (the next layer does it fused with its first norm). residual=None for the first layer."""
         if residual is None:
-            residual, x = h, self.input_layernorm(h)
+            residual, x = h, self._input_norm(h)
         else:
-            x, residual = self.input_layernorm.add_and_norm(h, residual)
-        a = self.self_attn(x, batch, rope, k_cache, v_cache)
-        x, residual = self.post_attention_layernorm.add_and_norm(a, residual)
-        return self.mlp(x), residual
+            x, residual = self._input_add_norm(h, residual)
+        a = self._self_attn(x, batch, rope, k_cache, v_cache)
+        x, residual = self._post_add_norm(a, residual)
+        return self._mlp(x), residual
+
+
+def direct(module: nn.Module) -> Callable[..., Any]:
+    """`module`'s own forward, bound once, for a parent to call on the per-layer hot path.
+
+    Why: `module(x)` goes through nn.Module.__call__ (hook dispatch) and reading a child attribute
+    through nn.Module.__getattr__; together ~2 us, paid ~8 times a layer, 30 layers a token: about
+    as long as a decode step's norm, rotary and attention kernels. Nobody registers hooks on the
+    engine's model, so nothing is skipped. Children are never replaced after construction (loading
+    and `to_empty` change their tensors, not the modules), so the bound method stays theirs.
+    """
+    return module.forward
 
 
 # HF parameter name fragment -> (our merged parameter, shard index)
@@ -102,12 +120,27 @@ class LlamaFamilyForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: given its (uninitialised) weight, nn.Embedding skips its random init: load_weights
+        # overwrites it, and on the meta device torch runs the init through torch._refs, which imports
+        # torch._dynamo, triton and sympy (~100 MiB resident that a CPU engine never uses).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
         # A tied lm_head gets the embedding's weight at load (`load_weights`), then its method's layout.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops.linear)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
+        self._layer_forwards = tuple(direct(layer) for layer in self.layers)
+        self._layer_caches: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) views of `kv_cache`, made once per cache tensor (the runner keeps one
+        for its life): two indexing ops a layer per step were ~6 us a layer, 30 layers a token."""
+        cached = self._layer_caches
+        if cached is None or cached[0] is not kv_cache:
+            cached = (kv_cache, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self._layer_forwards))])
+            self._layer_caches = cached
+        return cached[1]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor,
@@ -120,8 +153,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         h = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, h.dtype)
         residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, batch, rope, kv_cache[i, 0], kv_cache[i, 1])
+        for layer_forward, (k_cache, v_cache) in zip(self._layer_forwards, self.layer_caches(kv_cache)):
+            h, residual = layer_forward(h, residual, batch, rope, k_cache, v_cache)
             if between_layers is not None:
                 between_layers()
         h = (h if residual is None else residual + h).index_select(0, batch.logits_indices)

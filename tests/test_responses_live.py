@@ -199,14 +199,14 @@ def test_agents_sdk_default_model_answers_calls_a_tool_and_cancels(server) -> No
                                                             timeout=300), use_for_tracing=False)
         agents.set_default_openai_api("responses")
         plain = Agent(name="plain", instructions="Answer briefly.", model=MODEL,
-                      model_settings=ModelSettings(temperature=0, max_tokens=16))
+                      model_settings=ModelSettings(temperature=0, max_tokens=64))
         answer = await Runner.run(plain, "What is the capital of France?")
         assert isinstance(answer.final_output, str) and answer.final_output
         # the SDK's default model went through /v1/responses (a Chat Completions model has no response id)
         assert answer.raw_responses[0].response_id.startswith("resp_")
         tooled = Agent(name="weather", instructions="Answer weather questions with the tool.", model=MODEL,
                        tools=[get_weather],
-                       model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40))
+                       model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=120))
         result = await Runner.run(tooled, "What is the weather in Paris?", max_turns=4)
         assert seen and isinstance(result.final_output, str)
         await cancel_agent_stream_after(Runner.run_streamed(

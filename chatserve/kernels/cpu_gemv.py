@@ -28,15 +28,20 @@ _SOURCES = [_CSRC / name for name in ("bf16_gemv.cpp", "bf16_gemm.cpp", "amx_gem
 _HEADERS = [_CSRC / "simd.h"]
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_has_flags(*flags: str) -> bool:
+    """Every one of `flags` in /proc/cpuinfo's first flags line (False where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
+                    return set(flags) <= set(line.split())
     except OSError:
         pass
     return False
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return cpu_has_flags("avx512_bf16")
 
 
 @dataclass(frozen=True)

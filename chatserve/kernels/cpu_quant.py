@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from chatserve.kernels.cpu_gemv import _build_root, _exclusive_build, cpu_has_avx512_bf16
+from chatserve.kernels.cpu_gemv import _build_root, _exclusive_build, cpu_has_flags
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +55,10 @@ class QuantKernels:
     prefetch_bytes: Callable[[int], int] | None = None
 
 
-def cpu_has_avx512_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512_vnni" in line.split()
-    except OSError:
-        pass
-    return False
-
-
 def load_quant_kernels() -> QuantKernels | None:
     """The compiled kernels, verified on this machine, or None (no AVX512-BF16 or AVX512-VNNI, no
     compiler, or a failed self-check: callers then de-quantise at load)."""
-    if not (cpu_has_avx512_bf16() and cpu_has_avx512_vnni()):
+    if not cpu_has_flags("avx512_bf16", "avx512_vnni"):
         return None
     try:
         from torch.utils.cpp_extension import load

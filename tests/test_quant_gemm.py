@@ -160,6 +160,17 @@ def test_int8_per_channel(quant):
                           reference.linear(x, reference.pack_int8(q, scale), QTYPE_INT8_CHANNEL, n, k, None).double())
 
 
+def test_packed_weights_take_the_files_bytes(quant):
+    """Repacking keeps each format's size (N a multiple of 64 outputs, no padding): Q6_K's 6-bit quants
+    stay 6-bit (4 + 2-bit planes); Q4_K only spreads its 12 bytes of 6-bit scales/mins to 16."""
+    n = 128
+    for qtype in GGUF_TYPES:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        k = 2 * max(block, 256)
+        extra = 4 if qtype == GGMLQuantizationType.Q4_K else 0
+        assert quant.packed_nbytes(int(qtype), n, k) == n * (k // block) * (type_size + extra), qtype.name
+
+
 def test_supported_types_and_blocks():
     assert SUPPORTED_QTYPES == {2, 3, 8, 12, 14, QTYPE_INT8_CHANNEL}
     for qtype in GGUF_TYPES:

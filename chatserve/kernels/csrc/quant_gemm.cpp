@@ -34,9 +34,12 @@
 // scales as bytes), then per sub-block its quants in chunks of 64 bytes, lane i (bytes 4i..4i+3) for
 // output i:
 //   4-bit (Q4_0, Q4_1, Q4_K): a chunk holds 8 k: byte 4i+j = u[k0+j] | u[k0+4+j] << 4
-//   8-bit (Q8_0 and int8 as q+128, Q6_K as q): a chunk holds 4 k: byte 4i+j = u[k0+j]
+//   8-bit (Q8_0 and int8 as q+128): a chunk holds 4 k: byte 4i+j = u[k0+j]
+//   6-bit (Q6_K, u = q in 0..63, sub-blocks of 16): the low 4 bits as two 4-bit chunks, then one
+//            64-byte plane of the high 2 bits: byte 4i+j holds those of k = j + 4g at bits 2g, 2g+1
+//            (6.56 bits a weight, as in the file)
 // so a chunk is one vpdpbusd per 4 k against a broadcast of 4 activation bytes (4-bit: after one
-// and / shift-and-and). Q6_K is kept in bytes (8.6 bits a weight instead of 6.6): simpler.
+// and / shift-and-and; 6-bit: and the high bits shifted into place, or'ed in).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -84,12 +87,12 @@ __attribute__((always_inline)) inline __m512 s8x16(const uint8_t* p) {
 // ---- formats: where the scales and quants of a block lie, and S, B of a sub-block ----
 // Each format: kBlockK values per block along K, kSubs sub-blocks of kSubK values (one S, B each),
 // kHeader bytes at the start of a column, kBlockBytes per block and column, kRawBytes per GGUF block
-// (0: not a GGUF type), kNibbles (4-bit) or 8-bit quants, kOffset o > 0 when B = -o * S (the integer
+// (0: not a GGUF type), kNibbles (4-bit, or 6-bit with kHighBits) or 8-bit quants, kOffset o > 0 when B = -o * S (the integer
 // path) or 0 when B is a float of its own; scales() gives the 16 outputs' S and B of a sub-block.
 struct FQ4_0 {
   static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 8;
   static constexpr int64_t kHeader = 0, kBlockBytes = 32 + 256, kRawBytes = 18;
-  static constexpr bool kNibbles = true;
+  static constexpr bool kNibbles = true, kHighBits = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int, __m512& s, __m512& b) {
     s = half16(blk);
     b = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
@@ -100,7 +103,7 @@ struct FQ4_0 {
 struct FQ4_1 {
   static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 0;
   static constexpr int64_t kHeader = 0, kBlockBytes = 64 + 256, kRawBytes = 20;
-  static constexpr bool kNibbles = true;
+  static constexpr bool kNibbles = true, kHighBits = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int, __m512& s, __m512& b) {
     s = half16(blk);
     b = half16(blk + 32);
@@ -111,7 +114,7 @@ struct FQ4_1 {
 struct FQ8_0 {
   static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 128;
   static constexpr int64_t kHeader = 0, kBlockBytes = 32 + 512, kRawBytes = 34;
-  static constexpr bool kNibbles = false;
+  static constexpr bool kNibbles = false, kHighBits = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int, __m512& s, __m512& b) {
     s = half16(blk);
     b = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
@@ -123,7 +126,7 @@ struct FQ8_0 {
 struct FQ4_K {
   static constexpr int kBlockK = 256, kSubs = 8, kSubK = 32, kOffset = 0;
   static constexpr int64_t kHeader = 0, kBlockBytes = 64 + 256 + 8 * 256, kRawBytes = 144;
-  static constexpr bool kNibbles = true;
+  static constexpr bool kNibbles = true, kHighBits = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int sub, __m512& s, __m512& b) {
     s = _mm512_mul_ps(half16(blk), u8x16(blk + 64 + 16 * sub));
     // gguf: (d * sc) * q - dmin * m; B = -(dmin * m) (exact: 11 + 6 bits)
@@ -132,23 +135,23 @@ struct FQ4_K {
   static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int sub) { return blk + 320 + 256 * sub; }
 };
 
-// block: d [16 fp16], sc [16 sub][16 i8], quants (q in 0..63, one byte each) [16 sub][4 chunks][64 B]
+// block: d [16 fp16], sc [16 sub][16 i8], quants (q in 0..63) [16 sub][2 low-4-bit chunks + 1 high-2-bit plane][64 B]
 struct FQ6_K {
   static constexpr int kBlockK = 256, kSubs = 16, kSubK = 16, kOffset = 32;
-  static constexpr int64_t kHeader = 0, kBlockBytes = 32 + 256 + 16 * 256, kRawBytes = 210;
-  static constexpr bool kNibbles = false;
+  static constexpr int64_t kHeader = 0, kBlockBytes = 32 + 256 + 16 * 192, kRawBytes = 210;
+  static constexpr bool kNibbles = true, kHighBits = true;
   static __attribute__((always_inline)) inline void scales(const uint8_t*, const uint8_t* blk, int sub, __m512& s, __m512& b) {
     s = _mm512_mul_ps(half16(blk), s8x16(blk + 32 + 16 * sub));
     b = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
   }
-  static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int sub) { return blk + 288 + 256 * sub; }
+  static __attribute__((always_inline)) inline const uint8_t* quants(const uint8_t* blk, int sub) { return blk + 288 + 192 * sub; }
 };
 
 // column header: 16 fp32 scales; blocks of 32 values (q + 128 as bytes) carry no scales
 struct FInt8 {
   static constexpr int kBlockK = 32, kSubs = 1, kSubK = 32, kOffset = 128;
   static constexpr int64_t kHeader = 64, kBlockBytes = 512, kRawBytes = 0;
-  static constexpr bool kNibbles = false;
+  static constexpr bool kNibbles = false, kHighBits = false;
   static __attribute__((always_inline)) inline void scales(const uint8_t* col, const uint8_t*, int, __m512& s, __m512& b) {
     s = _mm512_loadu_ps(col);
     b = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
@@ -197,7 +200,9 @@ template <class F>
 inline int quant_at(const uint8_t* q, int i, int k) {
   if constexpr (F::kNibbles) {
     const uint8_t byte = q[(k / 8) * kChunk + 4 * i + (k % 8) % 4];
-    return (k % 8) < 4 ? (byte & 0xF) : (byte >> 4);
+    const int low = (k % 8) < 4 ? (byte & 0xF) : (byte >> 4);
+    if constexpr (F::kHighBits) return low | (((q[sub_chunks<F>() * kChunk + 4 * i + k % 4] >> (2 * (k / 4))) & 3) << 4);
+    return low;
   } else {
     return q[(k / 4) * kChunk + 4 * i + k % 4];
   }
@@ -319,6 +324,16 @@ __attribute__((always_inline)) inline void store_tile(const QProblem& p, int64_t
   }
 }
 
+// the plane's 2-bit group g (bits 2g, 2g+1 of each byte) moved to bits 4-5 (the caller masks)
+__attribute__((always_inline)) inline __m512i high_bits(__m512i h, int g) {
+  switch (g) {
+    case 0: return _mm512_slli_epi16(h, 4);
+    case 1: return _mm512_slli_epi16(h, 2);
+    case 2: return h;
+    default: return _mm512_srli_epi16(h, 2);
+  }
+}
+
 __attribute__((always_inline)) inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -346,6 +361,7 @@ void tile(const QProblem& p, int64_t m0, int64_t c0) {
   const int64_t blocks = p.K / F::kBlockK;
   constexpr int chunks = sub_chunks<F>();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i bits45 = _mm512_set1_epi8(0x30);
   const int64_t pf = g_pf_bytes;
   for (int64_t bl = 0; bl < blocks; ++bl) {
     const uint8_t* blk[NZ];
@@ -358,7 +374,8 @@ void tile(const QProblem& p, int64_t m0, int64_t c0) {
       for (int j = 0; j < NZ; ++j) {
         q[j] = F::quants(blk[j], sub);
 #pragma GCC unroll 8
-        for (int o = 0; o < chunks * kChunk; o += 64) _mm_prefetch(reinterpret_cast<const char*>(q[j] + o + pf), _MM_HINT_T0);
+        for (int o = 0; o < (chunks + (F::kHighBits ? 1 : 0)) * kChunk; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(q[j] + o + pf), _MM_HINT_T0);
       }
       __m512i isum[MR][NZ];
 #pragma GCC unroll 8
@@ -374,6 +391,11 @@ void tile(const QProblem& p, int64_t m0, int64_t c0) {
             const __m512i v = _mm512_loadu_si512(q[j] + c * kChunk);
             lo[j] = _mm512_and_si512(v, low4);
             hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if constexpr (F::kHighBits) {  // bits 4-5 from the plane: groups 2c (k 8c..8c+3) and 2c+1
+              const __m512i h = _mm512_loadu_si512(q[j] + chunks * kChunk);
+              lo[j] = _mm512_or_si512(lo[j], _mm512_and_si512(high_bits(h, 2 * c), bits45));
+              hi[j] = _mm512_or_si512(hi[j], _mm512_and_si512(high_bits(h, 2 * c + 1), bits45));
+            }
           }
 #pragma GCC unroll 8
           for (int m = 0; m < MR; ++m) {
@@ -561,7 +583,8 @@ void repack_q4_k(const uint8_t* raw, uint8_t* blk, int i) {
 }
 // gguf Q6_K: ql [128], qh [64], scales [16 int8], d (fp16). Value k: chunk t = k / 32, l = k % 32;
 // low 4 bits: ql[(t / 4) * 64 + (t % 2) * 32 + l] nibble (t / 2) % 2; high 2 bits: qh[(t / 4) * 32 + l]
-// >> 2 (t % 4); u = q in 0..63 (the weight is d * sc * (q - 32)). Sub-block of 16 values: k / 16.
+// >> 2 (t % 4); u = q in 0..63 (the weight is d * sc * (q - 32)), its low 4 bits as a nibble and its
+// high 2 in the sub-block's plane. Sub-block of 16 values: k / 16.
 void repack_q6_k(const uint8_t* raw, uint8_t* blk, int i) {
   const uint8_t* ql = raw;
   const uint8_t* qh = raw + 128;
@@ -573,7 +596,10 @@ void repack_q6_k(const uint8_t* raw, uint8_t* blk, int i) {
     const uint8_t lb = ql[(t / 4) * 64 + (t % 2) * 32 + l];
     const int lo = ((t / 2) % 2) ? (lb >> 4) : (lb & 0xF);
     const int hi = (qh[(t / 4) * 32 + l] >> (2 * (t % 4))) & 3;
-    put_byte(blk + 288 + 256 * (k / 16), i, k % 16, static_cast<uint8_t>(lo | (hi << 4)));
+    uint8_t* q = blk + 288 + 192 * (k / 16);
+    const int kk = k % 16;
+    put_nibble(q, i, kk, static_cast<uint8_t>(lo));
+    q[2 * kChunk + 4 * i + kk % 4] |= static_cast<uint8_t>(hi << (2 * (kk / 4)));
   }
 }
 

@@ -142,10 +142,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), dx
 
 
-def reference_quant_kernels(gemm=None) -> ReferenceQuantKernels:
-    """The reference (`gemm` is accepted for the caller's convenience and unused: the reference
-    multiplies in fp32, row by row)."""
-    del gemm
+def reference_quant_kernels() -> ReferenceQuantKernels:
+    """The reference: the kernel's activation quantisation, then fp32 products row by row."""
 
     def linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:

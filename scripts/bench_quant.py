@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_matmul import LAYER_SHAPES, LAYERS, LM_HEAD, best_time, markdown  # noqa: E402
 
-from chatserve.kernels.cpu_gemv import load_cpu_kernels  # noqa: E402
+from chatserve.kernels.cpu import load_cpu_kernels  # noqa: E402
 from chatserve.kernels.cpu_quant import BLOCK_VALUES, QTYPE_INT8_CHANNEL, load_quant_kernels  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), LM_HEAD, (1536, 1536)]  # the last: K-quants' shape

@@ -24,27 +24,42 @@ import torch  # noqa: E402
 
 
 def pytest_sessionstart(session) -> None:
-    """Compile the C++ kernels (bf16 and quantized) once, here, before any test starts a server.
+    """Compile the C++ kernels (every tier this CPU runs, bf16 and quantized) once, here, before
+    any test starts a server.
 
     A server building them itself counts the compile (minutes on 2 cores) against its startup
     timeout; built here, every server finds them ready.
     """
-    from chatserve.kernels.cpu_gemv import cpu_has_avx512_bf16, load_cpu_kernels
+    from chatserve.kernels.cpu import load_cpu_kernels
     from chatserve.kernels.cpu_quant import load_quant_kernels
 
-    if cpu_has_avx512_bf16():
-        load_cpu_kernels()
-        load_quant_kernels()  # the default model's GGUF blocks run on these (quantization "auto")
+    for tier in KERNEL_TIERS:
+        load_cpu_kernels(tier=tier)
+        load_quant_kernels(tier)  # the default model's GGUF blocks run on these (quantization "auto")
 
 
-@pytest.fixture(scope="session")
-def kernels():
-    """The compiled C++ kernels, or a skip where the CPU (no AVX512-BF16) or the compiler lacks them."""
-    from chatserve.kernels.cpu_gemv import load_cpu_kernels
+def _kernel_tiers() -> list[str]:
+    from chatserve.kernels.tiers import supported_tiers
 
-    k = load_cpu_kernels()
+    return [t.name for t in supported_tiers()]
+
+
+# Every kernel tier this CPU runs, best first: the host's own and each lower one it can be forced to
+# (an AVX512-BF16 host also tests the AVX512-VNNI and AVX2 tiers). Empty without AVX2.
+KERNEL_TIERS = _kernel_tiers()
+
+
+@pytest.fixture(scope="session", params=KERNEL_TIERS or ["none"])
+def kernels(request):
+    """The compiled C++ kernels of each tier this CPU runs (one test per tier), or a skip where the
+    CPU has no tier (no AVX2) or the compiler is missing."""
+    from chatserve.kernels.cpu import load_cpu_kernels
+
+    if request.param == "none":
+        pytest.skip("no kernel tier on this CPU (needs AVX2 + FMA): the engine uses torch ops instead")
+    k = load_cpu_kernels(tier=request.param)
     if k is None:
-        pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
+        pytest.skip(f"the {request.param} kernels could not be built here (no compiler?): the engine uses torch ops")
     return k
 
 

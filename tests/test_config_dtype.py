@@ -1,4 +1,5 @@
-"""dtype="auto": bfloat16 only where the hardware computes in it, float32 on other CPUs."""
+"""dtype="auto": bfloat16 where the hardware computes in it or our CPU kernels run (a kernel tier),
+float32 on other CPUs; a forced kernel tier is checked against the CPU and the other options."""
 
 from __future__ import annotations
 
@@ -8,14 +9,33 @@ import torch
 from chatserve import config
 
 
-@pytest.mark.parametrize(("native", "device", "expected"), [
-    (True, "cpu", torch.bfloat16),
-    (False, "cpu", torch.float32),  # bf16 would be widened to f32 in every matmul: slower, not faster
-    (False, "cuda", torch.bfloat16),
+@pytest.mark.parametrize(("native", "kernels", "device", "expected"), [
+    (True, False, "cpu", torch.bfloat16),
+    (False, True, "cpu", torch.bfloat16),  # an AVX2 tier: bf16 in memory, fp32 in registers, int8 for GGUF blocks
+    (False, False, "cpu", torch.float32),  # torch alone would widen bf16 to f32 in every matmul: slower, not faster
+    (False, False, "cuda", torch.bfloat16),
 ])
-def test_auto_dtype_follows_the_hardware(monkeypatch, native, device, expected):
+def test_auto_dtype_follows_the_hardware(monkeypatch, native, kernels, device, expected):
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native)
-    assert config.resolve_dtype("auto", torch.device(device)) == expected
+    assert config.resolve_dtype("auto", torch.device(device), cpu_kernels=kernels) == expected
+
+
+def test_kernel_tier_choices_are_checked():
+    from chatserve.kernels.tiers import select_tier
+
+    with pytest.raises(ValueError, match="cpu_kernel_tier must be one of"):
+        config.EngineArgs(cpu_kernel_tier="sse4")
+    with pytest.raises(ValueError, match="cpu_kernels is off"):
+        config.EngineArgs(cpu_kernel_tier="avx2", cpu_kernels=False)
+    avx2_only = frozenset({"avx2", "fma", "f16c", "sse4_2"})
+    assert select_tier("auto", avx2_only).name == "avx2"
+    assert select_tier("auto", avx2_only | {"avx_vnni"}).name == "avx2_vnni"
+    zen4 = avx2_only | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
+    assert select_tier("auto", zen4).name == "avx512_bf16"
+    assert select_tier("avx2", zen4).name == "avx2"  # a lower tier can be forced
+    assert select_tier("auto", frozenset({"sse4_2"})) is None  # no AVX2: torch ops
+    with pytest.raises(ValueError, match="avx512_vnni.*lacks: avx512_vnni, avx512bw, avx512dq, avx512f, avx512vl"):
+        select_tier("avx512_vnni", avx2_only)
 
 
 def test_explicit_dtypes_are_kept_and_unknown_ones_refused(monkeypatch):

@@ -7,10 +7,11 @@ again served from the prefix cache, (3) all prompts in one batch, (4) a batch mi
 long prompts being prefilled in chunks, and, greedy, (5) streaming and non-streaming through the
 HTTP server, which runs (6) with other chunk sizes (`--max-num-batched-tokens 64`).
 
-This holds because every op computes a row from that row alone in a fixed order: the packed bf16
-matmul (csrc/bf16_gemm.cpp), the paged attention kernel (csrc/cpu_attention.cpp), the C++ norms,
-rotary and silu*up, and the sampler (tests/test_row_invariance.py). It needs the C++ kernels; on
-CPUs without AVX512-BF16 the torch/oneDNN path is not batch-invariant and this test is skipped.
+This holds because every op computes a row from that row alone in a fixed order: the quantized and
+the packed bf16 matmuls, the paged attention kernel, the C++ norms, rotary and silu*up, and the
+sampler (tests/test_row_invariance.py). It needs the C++ kernels, so the whole module runs once per
+kernel tier this CPU runs (issue 30: the host's own tier and each lower one it can force, e.g. AVX2 on
+an AVX512-BF16 host); without AVX2 the torch/oneDNN path is not batch-invariant and it is skipped.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import openai
 import pytest
 
 from chatserve import LLM, SamplingParams
-from chatserve.kernels.cpu_gemv import load_cpu_kernels
+from chatserve.kernels.cpu import load_cpu_kernels
 
+from .conftest import KERNEL_TIERS
 from .helpers.server import ServerProcess, start_server
 
 pytestmark = pytest.mark.timeout(1800)
@@ -73,12 +75,18 @@ class LayoutSpy:
         return self._prepare(layout, device)
 
 
+@pytest.fixture(scope="module", params=KERNEL_TIERS or ["none"])
+def tier(request) -> str:
+    if request.param == "none" or load_cpu_kernels(tier=request.param) is None:
+        pytest.skip("batch invariance needs the C++ kernels (a CPU with AVX2 or better); torch/oneDNN ops depend on the batch")
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm():
-    if load_cpu_kernels() is None:
-        pytest.skip("batch invariance needs the C++ kernels (AVX512-BF16); torch/oneDNN ops depend on the batch")
-    engine = LLM(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512)
-    assert "paged attention" in engine.engine.runner.ops.describe()
+def llm(tier):
+    engine = LLM(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512, cpu_kernel_tier=tier)
+    ops = engine.engine.runner.ops
+    assert "paged attention" in ops.describe() and ops.cpu is not None and ops.cpu.tier == tier
     return engine
 
 
@@ -149,8 +157,8 @@ def test_a_batch_mixed_with_long_chunked_prefills_agrees(llm, alone):
 
 # ---- (5) and (6): the HTTP server, streaming and not, with other chunk sizes -----------------------
 @pytest.fixture(scope="module")
-def server(llm):
-    srv = start_server("--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "16",
+def server(llm, tier):
+    srv = start_server("--dtype", "bfloat16", "--cpu-kernel-tier", tier, "--max-model-len", "2048", "--max-num-seqs", "16",
                        "--max-num-batched-tokens", "64", "--max-prefill-tokens-while-decoding", "32")
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]

@@ -19,7 +19,7 @@ import torch
 from chatserve.attention.base import AttentionBackend, BatchLayout
 from chatserve.attention.cpu_backend import CpuKernelAttentionBackend, CpuPagedAttentionBackend, paged_kernel_fits
 from chatserve.attention.torch_backend import TorchAttentionBackend
-from chatserve.kernels.cpu_gemv import CpuKernels
+from chatserve.kernels.cpu import CpuKernels
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 
 from chatserve.attention.base import AttentionBackend, BatchLayout, pad_tables
 from chatserve.attention.torch_backend import MIN_CASCADE_BLOCKS, TorchAttentionBackend, find_shared_prefixes
-from chatserve.kernels.cpu_gemv import CpuKernels
+from chatserve.kernels.cpu import CpuKernels
 
 
 def paged_kernel_fits(head_dim: int) -> bool:

@@ -27,6 +27,7 @@ from chatserve.core.session_kv import SessionKV
 from chatserve.engine.detokenizer import IncrementalDetokenizer
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from chatserve.engine.kv_event_publisher import KVEventPublisher, KVEventsConfig
+from chatserve.kernels.cpu import load_cpu_kernels
 from chatserve.layers.ops import select_layer_ops
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
@@ -63,13 +64,24 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _cpu_kernels_load(args: EngineArgs, device: torch.device) -> bool:
+    """Whether the C++ kernels of the requested tier load here (built and checked once per process),
+    which is what makes bfloat16 the fast dtype on a CPU; a forced tier the CPU lacks raises."""
+    if device.type != "cpu" or not args.cpu_kernels or args.dtype not in ("auto", "bfloat16"):
+        return False
+    return load_cpu_kernels(amx=args.amx, tier=args.cpu_kernel_tier) is not None
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.device = _resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, cpu_kernels=_cpu_kernels_load(args, self.device))
+        if args.cpu_kernel_tier != "auto" and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
+            raise ValueError(f"cpu_kernel_tier={args.cpu_kernel_tier!r} picks bfloat16 CPU kernels, but this engine runs "
+                             f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; use dtype auto or bfloat16 on the CPU")
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
         self.hf_config = load_hf_config(self.source)
@@ -86,6 +98,7 @@ class LLMEngine:
             dtype=self.dtype, device=self.device, attention_backend=args.attention_backend,
             cpu_kernels=args.cpu_kernels, amx=args.amx, quantization=args.quantization, is_gguf=self.source.is_gguf,
             head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            cpu_kernel_tier=args.cpu_kernel_tier,
         )
         self.attention_backend = ops.attention.name  # "torch", "cpu" or "triton"
         self.runner = ModelRunner(

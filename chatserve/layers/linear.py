@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS, CpuKernels, PackedGemm
+from chatserve.kernels.cpu import MAX_GEMV_ROWS, CpuKernels, PackedGemm
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +216,11 @@ class PackedGemmLinearMethod(LinearMethod):
     dropped); one kernel for every row count, nothing cached per shape, and a row's result the same
     bits whatever else is in the call. A tied embedding reads its rows back from the packed copy."""
 
-    description = "batch-invariant avx512-bf16 matmul over packed weights (one huge-page arena)"
-
     def __init__(self, kernels: CpuKernels, arena: WeightArena) -> None:
         assert kernels.gemm is not None
         self.gemm: PackedGemm = kernels.gemm
         self.arena = arena
+        self.description = f"batch-invariant {kernels.tier} matmul over packed weights (one huge-page arena)"
 
     def reserve(self, layer: Linear) -> None:
         self.arena.reserve(layer, math.prod(self.gemm.packed_shape(layer.out_features, layer.in_features)))
@@ -314,7 +313,7 @@ LINEAR_ENV = "CHATSERVE_LINEAR"  # "legacy": the older kernel + oneDNN split, fo
 
 def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethod:
     """The fastest bf16 matmul this CPU offers, with one copy of each weight: AMX tiles, else the
-    batch-invariant AVX512-BF16 kernel, else oneDNN-packed weights; plain F.linear for other dtypes
+    batch-invariant kernel of the CPU's tier (AVX512-BF16, AVX512-VNNI or AVX2), else oneDNN-packed weights; plain F.linear for other dtypes
     and devices. $CHATSERVE_LINEAR=legacy picks the older kernel + oneDNN split instead (on CPUs
     without AMX; it is not batch-invariant), to compare the two."""
     choice = os.environ.get(LINEAR_ENV, "").strip().lower()
@@ -326,9 +325,10 @@ def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuK
         arena = WeightArena(kernels)
         if kernels.amx is not None:
             return AmxLinearMethod(kernels, arena)
-        if kernels.gemm is not None and choice != "legacy":
+        if kernels.gemm is not None and (choice != "legacy" or kernels.gemv is None):
             return PackedGemmLinearMethod(kernels, arena)
-        return GemvLinearMethod(kernels, arena)
+        if kernels.gemv is not None:
+            return GemvLinearMethod(kernels, arena)
     if packed_linear_available(dtype, device):
         return OneDNNPackedLinearMethod()
     return TorchLinearMethod()

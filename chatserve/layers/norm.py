@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import CpuKernels
+from chatserve.kernels.cpu import CpuKernels
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ import torch
 
 from chatserve.attention import select_attention_backend
 from chatserve.attention.base import AttentionBackend
-from chatserve.kernels.cpu_gemv import CpuKernels, load_cpu_kernels
+from chatserve.kernels.cpu import CpuKernels, load_cpu_kernels
 from chatserve.layers.linear import LinearMethod, select_linear_method
 from chatserve.layers.quantized_linear import select_quantization
 
@@ -34,7 +34,7 @@ class LayerOps:
             self.cpu.release_free_memory()
 
     def describe(self) -> str:
-        fused = "; C++ RMSNorm, rotary, silu*up" if self.cpu is not None else ""
+        fused = f"; C++ RMSNorm, rotary, silu*up ({self.cpu.tier})" if self.cpu is not None else ""
         attention = getattr(self.attention, "description", self.attention.name)
         return f"matmuls: {self.linear.description}{fused}; attention: {attention}"
 
@@ -42,12 +42,13 @@ class LayerOps:
 def select_layer_ops(
     *, dtype: torch.dtype, device: torch.device, attention_backend: str, cpu_kernels: bool, amx: bool,
     head_dim: int, num_heads: int, num_kv_heads: int, quantization: str = "none", is_gguf: bool = False,
+    cpu_kernel_tier: str = "auto",
 ) -> LayerOps:
-    """The C++ kernels where asked for and where they apply (a bf16 model on an AVX512-BF16 CPU),
-    the matmul method that goes with them, and the attention backend."""
+    """The C++ kernels where asked for and where they apply (a bf16 model on a CPU with a kernel
+    tier: AVX2 or better), the matmul method that goes with them, and the attention backend."""
     kernels = None
     if cpu_kernels and device.type == "cpu" and dtype == torch.bfloat16:
-        kernels = load_cpu_kernels(amx=amx)
+        kernels = load_cpu_kernels(amx=amx, tier=cpu_kernel_tier)
     attention = select_attention_backend(
         attention_backend, device, kernels=kernels if attention_backend != "triton" else None,
         head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,

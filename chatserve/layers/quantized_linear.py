@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chatserve.config import QUANTIZATION_CHOICES
-from chatserve.kernels.cpu_gemv import CpuKernels, PackedGemm
+from chatserve.kernels.cpu import CpuKernels, PackedGemm
 from chatserve.kernels.quant_reference import (
     INT8_BLOCK,
     QTYPE_INT8_CHANNEL,
@@ -242,14 +242,14 @@ def model_weight_nbytes(model: nn.Module) -> int:
 # ---------------------------------------------------------------- choosing the mode and the kernels
 
 @functools.cache
-def load_compiled_quant_kernels() -> Any | None:
-    """The compiled quantized kernels (kernels/cpu_quant.py), or None where the module, the CPU
-    (AVX512-BF16 and AVX512-VNNI) or the build is missing."""
+def load_compiled_quant_kernels(tier: str = "auto") -> Any | None:
+    """The compiled quantized kernels of `tier` (kernels/cpu_quant.py), or None where the module,
+    the CPU (a kernel tier: AVX2 or better) or the build is missing."""
     try:
         from chatserve.kernels.cpu_quant import load_quant_kernels
     except ImportError:
         return None
-    return load_quant_kernels()
+    return load_quant_kernels(tier)
 
 
 @dataclass(frozen=True)
@@ -266,8 +266,8 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
                         kernels: CpuKernels | None) -> QuantizationChoice:
     """What `quantization` means for this model on this machine.
 
-    auto: a GGUF file keeps its blocks where the compiled kernels run (a CPU with AVX512-BF16 and -VNNI, dtype
-    bfloat16), else it is de-quantised as before, with one log line saying why; a safetensors folder
+    auto: a GGUF file keeps its blocks where the compiled kernels run (a CPU with a kernel tier, AVX2 or
+    better, dtype bfloat16), else it is de-quantised as before, with one log line saying why; a safetensors folder
     stays bf16. none: de-quantise. gguf / int8: asked for explicitly, so a model or machine that
     cannot honour them is an error naming the field; where only the compiled kernels are missing the
     torch reference runs instead (correct, slow), with a warning.
@@ -289,13 +289,13 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
             logger.info("GGUF weights de-quantised at load: %s", unfit)
             return NO_QUANTIZATION
         raise ValueError(f"quantization={requested!r} is not available here: {unfit}; use quantization='none'")
-    quant = load_compiled_quant_kernels() if kernels is not None else None
+    quant = load_compiled_quant_kernels(kernels.tier) if kernels is not None else None
     if quant is None and kernels is None and requested == "auto":
         logger.info("GGUF weights de-quantised at load: the C++ CPU kernels are off (cpu_kernels=False) or unavailable")
         return NO_QUANTIZATION
     if quant is None:
         if requested == "auto":
-            logger.info("GGUF weights de-quantised at load: the quantized kernels need a CPU with AVX512-BF16 and AVX512-VNNI "
+            logger.info("GGUF weights de-quantised at load: the quantized kernels need a CPU with AVX2 or better "
                         "and a C++ compiler (pass quantization='gguf' to run the slow torch reference anyway)")
             return NO_QUANTIZATION
         logger.warning("quantization=%r: the compiled quantized kernels are unavailable; running the torch reference, "

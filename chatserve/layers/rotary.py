@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import CpuKernels
+from chatserve.kernels.cpu import CpuKernels
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:

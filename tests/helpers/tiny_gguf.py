@@ -11,11 +11,26 @@ super-block scales, which is all a valid block is.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 H, FF, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama-shaped model's sizes (the tests' tiny one by default; scripts/make_random_gguf.py
+    writes 1B-class ones with the same code)."""
+
+    hidden: int = H
+    ffn: int = FF
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    layers: int = LAYERS
+    context: int = 512
 
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
 
@@ -67,17 +82,22 @@ def _tensor(writer, name: str, qtype: int, shape: tuple[int, int], rng: np.rando
     writer.add_tensor(name, gguf.quants.quantize(w, t), raw_dtype=t)
 
 
-def write_tiny_gguf(path: Path, default_gguf: str, types: dict[str, int], default_type: int, seed: int = 0) -> Path:
-    """A tiny tied llama at `path`; `types` maps a tensor kind (token_embd, attn_q, attn_k, attn_v,
-    attn_output, ffn_gate, ffn_up, ffn_down) to its ggml type, others take `default_type`."""
+def write_tiny_gguf(path: Path, default_gguf: str, types: dict[str, int], default_type: int, seed: int = 0,
+                    shape: LlamaShape = LlamaShape()) -> Path:
+    """A tied llama of `shape` (tiny by default) at `path`; `types` maps a tensor kind (token_embd,
+    attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down) to its ggml type, others take
+    `default_type`."""
     import gguf
+
+    H, FF, HEADS, KV_HEADS, HEAD_DIM, LAYERS = (shape.hidden, shape.ffn, shape.heads, shape.kv_heads,  # noqa: N806
+                                               shape.head_dim, shape.layers)
 
     rng = np.random.default_rng(seed)
     fields = _tokenizer_fields(default_gguf)
     vocab = len(fields["tokenizer.ggml.tokens"])
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
-    writer.add_context_length(512)
+    writer.add_context_length(shape.context)
     writer.add_embedding_length(H)
     writer.add_feed_forward_length(FF)
     writer.add_head_count(HEADS)
@@ -100,14 +120,14 @@ def write_tiny_gguf(path: Path, default_gguf: str, types: dict[str, int], defaul
     def kind(name: str) -> int:
         return types.get(name, default_type)
 
-    _tensor(writer, "token_embd.weight", kind("token_embd"), (vocab, H), rng, 0.5)
+    _tensor(writer, "token_embd.weight", kind("token_embd"), (vocab, H), rng, 0.5 * (256 / H) ** 0.5)
     shapes = {"attn_q": (HEADS * HEAD_DIM, H), "attn_k": (KV_HEADS * HEAD_DIM, H), "attn_v": (KV_HEADS * HEAD_DIM, H),
               "attn_output": (H, HEADS * HEAD_DIM), "ffn_gate": (FF, H), "ffn_up": (FF, H), "ffn_down": (H, FF)}
     for i in range(LAYERS):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", (1 + rng.normal(0, 0.1, H)).astype(np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + rng.normal(0, 0.1, H)).astype(np.float32))
-        for name, shape in shapes.items():
-            _tensor(writer, f"blk.{i}.{name}.weight", kind(name), shape, rng, 0.08)
+        for name, dims in shapes.items():
+            _tensor(writer, f"blk.{i}.{name}.weight", kind(name), dims, rng, 0.08 * (256 / H) ** 0.5)
     writer.add_tensor("output_norm.weight", (1 + rng.normal(0, 0.1, H)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,0 +1,206 @@
+"""The CPU kernels as the layers see them: one `CpuKernels` per tier, loaded and proven once.
+
+`load_cpu_kernels(tier=...)` builds the kernels of a tier (kernels/tiers.py): the hand-written
+AVX512-BF16 ones (cpu_gemv.py) or the tiered sources over csrc/vec.h (tiered.py), checks each
+against torch on this machine (the `verify_*` functions below, shared by every tier), and returns
+them, or None (no AVX2, no compiler, a failed check: callers then use torch ops). The result is
+cached per (tier, amx): a second engine in the process neither rebuilds nor re-checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from chatserve.kernels.tiers import cpu_flags, select_tier
+
+logger = logging.getLogger(__name__)
+
+MAX_GEMV_ROWS = 128  # the legacy kernel takes any row count; above this oneDNN is as fast (see layers/linear.py)
+
+
+def cpu_has_flags(*flags: str) -> bool:
+    """Every one of `flags` in /proc/cpuinfo's first flags line (False where it cannot be read)."""
+    return set(flags) <= cpu_flags()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return cpu_has_flags("avx512_bf16")
+
+
+@dataclass(frozen=True)
+class AmxMatmul:
+    """Intel AMX tile matmul over weights packed once into the tile layout (csrc/amx_gemm.cpp)."""
+
+    pack: Callable[..., torch.Tensor]  # bf16 [N, K] (, out=) -> packed [ceil(N/16), ceil(K/32), 16, 32]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # x [M, K], packed, bias, N
+    rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, int64 ids [T], N, K -> rows [T, K]
+
+    @staticmethod
+    def packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
+        return ((n + 15) // 16, (k + 31) // 32, 16, 32)
+
+
+@dataclass(frozen=True)
+class PackedGemm:
+    """The batch-invariant bf16 matmul over weights packed once (csrc/bf16_gemm.cpp on AVX512-BF16,
+    csrc/tier_gemm.cpp on the other tiers): every output element is one fixed accumulation chain
+    over K, so a row's result has the same bits whatever the row count of the call and the row's
+    position in it. The packed layout is the tier's own: `packed_shape` says its bf16 shape."""
+
+    pack: Callable[..., torch.Tensor]  # bf16 [N, K] (, out=) -> packed bf16 of packed_shape(N, K)
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # x [M, K], packed, bias, N
+    rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, int64 ids [T], N, K -> rows [T, K]
+    peak_gflops: Callable[[int], float]  # iterations -> register-only dot-product GFLOP/s on all threads
+    packed_shape: Callable[[int, int], tuple[int, ...]]  # (N, K) -> the packed weight's shape in bf16 elements
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    tier: str  # kernels/tiers.py name: which instruction set these were built for
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # bf16 rows [M, D], weight [D], eps
+    # prefill, extend and decode in one kernel: q [T, H, D], k/v cache (as store_kv_paged writes them),
+    # block tables [S, nb], query_start [S + 1], start_pos [S], seq_order [S], group_start [G + 1] (all int64),
+    # scale -> [T, H, D]
+    paged_attention: Callable[..., torch.Tensor]
+    # the same as store_kv, into paged_attention's layout within each block (the tier's own)
+    store_kv_paged: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    # k, v [T, KVH, D], k/v cache [blocks, block_size, KVH, D], slot mapping [T] int64 (-1: skip)
+    store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]  # bf16 [M, 2I] gate|up -> silu(gate) * up
+    rope_inplace: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]  # x [T, W], cos, sin, heads, head_dim
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]  # x, residual (+= x), w, eps
+    huge_page_zeros: Callable[[int], torch.Tensor]  # numel -> zeroed bf16 [numel] advised for transparent huge pages
+    release_free_memory: Callable[[], None]  # glibc malloc_trim: freed heap pages back to the OS
+    gemm: PackedGemm | None = None  # the batch-invariant matmul (None only where it failed its check)
+    amx: AmxMatmul | None = None  # where the CPU has AMX tiles (and the OS lets us use them)
+    # x[M, K] . w[N, K]^T (+ bias) over plain weights: the older AVX512-BF16 kernel (CHATSERVE_LINEAR=legacy)
+    gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+
+
+def load_cpu_kernels(amx: bool = True, tier: str = "auto") -> CpuKernels | None:
+    """The compiled kernels of `tier` ("auto": the best this CPU runs), verified on this machine, or
+    None where the CPU runs no tier (callers then use torch ops) or the build or a check failed.
+
+    amx=False leaves the AMX matmul out even where the CPU has tiles (the AVX512-BF16 path).
+    Forcing a tier the CPU lacks raises ValueError naming `cpu_kernel_tier`.
+    """
+    chosen = select_tier(tier)
+    if chosen is None:
+        return None
+    return _load(chosen.name, amx and not chosen.tiered)
+
+
+@functools.cache
+def _load(tier: str, amx: bool) -> CpuKernels | None:
+    from chatserve.kernels.tiers import TIERS
+
+    try:
+        if TIERS[tier].tiered:
+            from chatserve.kernels.tiered import build_tiered_cpu_kernels
+
+            kernels = build_tiered_cpu_kernels(TIERS[tier])
+        else:
+            from chatserve.kernels.cpu_gemv import build_avx512_bf16_kernels
+
+            kernels = build_avx512_bf16_kernels(amx)
+        if kernels is None:
+            return None
+        verify_rms_norm(kernels.rms_norm)
+        verify_paged_attention(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
+        verify_fused(kernels.silu_mul, kernels.rope_inplace, kernels.add_rms_norm)
+        return kernels
+    except Exception as exc:  # wrong results or an unusual platform: the slower path still works
+        logger.warning("%s CPU kernels unusable here (%s); using torch ops", tier, exc)
+        return None
+
+
+def checked_gemm(gemm: PackedGemm) -> PackedGemm | None:
+    """`gemm` if it proves itself on this machine (close to the fp32 matmul, each row the same bits
+    alone as in a batch, the packed rows read back exactly), else None with a warning."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((80, 64), (150, 71)):  # a ragged column group; an odd K
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+        x = torch.randn(70, k, generator=gen).to(torch.bfloat16)  # > one register tile, both thread splits
+        packed = gemm.pack(w)
+        if tuple(packed.shape) != tuple(gemm.packed_shape(n, k)):
+            logger.warning("batch-invariant bf16 matmul packs to %s, not the %s it announces", tuple(packed.shape),
+                           tuple(gemm.packed_shape(n, k)))
+            return None
+        out = gemm.linear(x, packed, b, n)
+        ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        alone = torch.cat([gemm.linear(x[i : i + 1], packed, b, n) for i in (0, 37, 69)])
+        ids = torch.tensor([n - 1, 0, 17])
+        if not (torch.allclose(out.float(), ref, atol=0.02 * float(ref.abs().max()) + 0.02)
+                and torch.equal(alone, out[[0, 37, 69]]) and torch.equal(gemm.rows(packed, ids, n, k), w[ids])):
+            logger.warning("batch-invariant bf16 matmul gave wrong results; not using it")
+            return None
+    return gemm
+
+
+def verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[..., None],
+                  add_rms_norm: Callable[..., torch.Tensor]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 64, generator=gen) * 4).to(torch.bfloat16)
+    ref = torch.nn.functional.silu(x[:, :32].float()) * x[:, 32:].float()
+    if not torch.allclose(silu_mul(x).float(), ref, atol=2e-2, rtol=2e-2):
+        raise RuntimeError("silu_mul kernel gave wrong results")
+    qkv = torch.randn(3, 5 * 32, generator=gen).to(torch.bfloat16)
+    angles = torch.randn(3, 1, 16, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    qk = qkv[:, :96].float().view(3, 3, 32)
+    ref = qk * cos.float() + torch.cat((-qk[..., 16:], qk[..., :16]), dim=-1) * sin.float()  # rotate-half
+    rope_inplace(qkv, cos, sin, 3, 32)
+    if not torch.allclose(qkv[:, :96].float().view(3, 3, 32), ref, atol=3e-2, rtol=2e-2):
+        raise RuntimeError("rope kernel gave wrong results")
+    x = torch.randn(3, 32, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(3, 32, generator=gen).to(torch.bfloat16)
+    w = (torch.rand(32, generator=gen) + 0.5).to(torch.bfloat16)
+    summed = residual + x
+    ref = torch.nn.functional.rms_norm(summed.float(), (32,), w.float(), 1e-5)
+    out = add_rms_norm(x, residual, w, 1e-5)
+    if not (torch.equal(residual, summed) and torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)):
+        raise RuntimeError("add_rms_norm kernel gave wrong results")
+
+
+def verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    w = (torch.rand(96) + 0.5).to(torch.bfloat16)
+    ref = torch.nn.functional.rms_norm(x.float(), (96,), w.float(), 1e-5)
+    if not torch.allclose(rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=2e-2):
+        raise RuntimeError("rms_norm kernel gave wrong results")
+
+
+def verify_paged_attention(paged_attention: Callable[..., torch.Tensor], store_kv_paged: Callable[..., None],
+                            store_kv: Callable[..., None]) -> None:
+    """Decodes and chunks over cached keys in one call against the torch reference (the caches
+    written in the kernel's layout), and one row alone giving the same bits as in the batch."""
+    from chatserve.kernels.reference import paged_extend_attention, store_kv_cache
+
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(6, 4, 2, 32, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(6, 4, 2, 32, generator=gen).to(torch.bfloat16)
+    q = torch.randn(8, 6, 32, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[5, 1, 0, 3, 4], [2, 2, 2, 2, 2], [4, 3, 0, 1, 5]])
+    query_start, start_pos = torch.tensor([0, 1, 2, 8]), torch.tensor([8, 0, 13])  # two decodes, a 6-token chunk
+    order, groups = torch.arange(3), torch.tensor([0, 1, 3])
+    ref = paged_extend_attention(q.float(), k_cache.float(), v_cache.float(), tables, query_start, torch.tensor([9, 1, 19]), 0.2)
+    k_paged, v_paged = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    store_kv_paged(k_cache.view(24, 2, 32), v_cache.view(24, 2, 32), k_paged, v_paged, torch.arange(24))
+    out = paged_attention(q, k_paged, v_paged, tables, query_start, start_pos, order, groups, 0.2)
+    alone = paged_attention(q[5:6], k_paged, v_paged, tables[2:], torch.tensor([0, 1]), torch.tensor([16]),
+                            torch.tensor([0]), torch.tensor([0, 1]), 0.2)
+    if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) or not torch.equal(alone, out[5:6]):
+        raise RuntimeError("paged attention kernel gave wrong results")
+    kv = torch.randn(3, 2 * 2 * 32, generator=gen).to(torch.bfloat16).view(3, 4, 32)  # strided K and V views
+    slots = torch.tensor([5, -1, 22])
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    store_kv_cache(kv[:, :2], kv[:, 2:], expect_k, expect_v, slots)
+    store_kv(kv[:, :2], kv[:, 2:], k_cache, v_cache, slots)
+    if not (torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)):
+        raise RuntimeError("store_kv kernel gave wrong results")

@@ -1,0 +1,109 @@
+"""CPU kernel tiers: which instruction sets a build targets, chosen once from the CPU's flags.
+
+A tier is a name, the /proc/cpuinfo flags it needs, and the compiler flags its sources are built
+with. The tiers, best first:
+
+- ``avx512_bf16``: AVX512-BF16 (+VNNI, and AMX tiles where present): the hand-tuned kernels of
+  cpu_gemv.py / cpu_quant.py (vdpbf16ps, AMX, vpdpbusd).
+- ``avx512_vnni``: AVX512F/BW/VL/DQ + AVX512-VNNI, no BF16 (Ice Lake, Zen 4 without BF16 enabled):
+  the tiered sources (csrc/tier_*.cpp over csrc/vec.h) at 16 lanes.
+- ``avx2_vnni``: AVX2 + FMA + F16C + AVX-VNNI (Alder Lake and later client cores, Zen 5 desktop):
+  the tiered sources at 8 lanes with vpdpbusd.
+- ``avx2``: AVX2 + FMA + F16C (Haswell and later, Zen 1-3): the tiered sources at 8 lanes, int8 dot
+  products from vpmaddubsw + vpmaddwd.
+
+A lower tier can be forced where the CPU supports it (`EngineArgs.cpu_kernel_tier`), so every tier a
+host can run is tested on it. Within a tier every kernel keeps one fixed reduction order per output
+element (batch invariance); results differ between tiers (a different lane count is a different
+order), so determinism is a promise per tier, not across tiers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from chatserve.kernels.build import CSRC, build_extension
+
+
+@dataclass(frozen=True)
+class KernelTier:
+    name: str
+    cpu_flags: tuple[str, ...]  # every one must be in /proc/cpuinfo's flags
+    cflags: tuple[str, ...]  # compiler flags of the tiered sources (empty: this tier has its own sources)
+    lanes: int  # fp32 lanes of the tier's vector type
+    description: str
+
+    @property
+    def tiered(self) -> bool:
+        """Built from the tiered sources over csrc/vec.h (not the hand-written AVX512-BF16 kernels)."""
+        return bool(self.cflags)
+
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c", "-DCHATSERVE_TIER_AVX2")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c", "-DCHATSERVE_TIER_AVX512")
+
+# Best first.
+TIERS: dict[str, KernelTier] = {t.name: t for t in (
+    KernelTier("avx512_bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (), 16,
+               "AVX512-BF16 (vdpbf16ps, AMX where present)"),
+    KernelTier("avx512_vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"), _AVX512, 16,
+               "AVX512 + VNNI, 16 lanes"),
+    KernelTier("avx2_vnni", ("avx2", "fma", "f16c", "avx_vnni"), (*_AVX2, "-mavxvnni", "-DCHATSERVE_VNNI"), 8,
+               "AVX2 + FMA + AVX-VNNI, 8 lanes"),
+    KernelTier("avx2", ("avx2", "fma", "f16c"), _AVX2, 8, "AVX2 + FMA, 8 lanes (vpmaddubsw int8 dots)"),
+)}
+TIER_CHOICES = ("auto", *TIERS)
+TIERED_FAMILIES = ("fused", "gemm", "attention", "quant")  # csrc/tier_<family>.cpp
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags of /proc/cpuinfo's first flags line (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported_tiers(flags: frozenset[str] | None = None) -> list[KernelTier]:
+    """The tiers this CPU can run, best first."""
+    have = cpu_flags() if flags is None else flags
+    return [t for t in TIERS.values() if set(t.cpu_flags) <= have]
+
+
+def select_tier(requested: str = "auto", flags: frozenset[str] | None = None) -> KernelTier | None:
+    """The tier to build for: the best the CPU runs (auto) or the one asked for; None where the CPU
+    runs none of them (no AVX2: torch ops). Asking for a tier the CPU lacks is an error naming the field."""
+    if requested not in TIER_CHOICES:
+        raise ValueError(f"cpu_kernel_tier must be one of {', '.join(TIER_CHOICES)}; got {requested!r}")
+    supported = supported_tiers(flags)
+    if requested == "auto":
+        return supported[0] if supported else None
+    tier = TIERS[requested]
+    if tier not in supported:
+        missing = sorted(set(tier.cpu_flags) - (cpu_flags() if flags is None else flags))
+        raise ValueError(f"cpu_kernel_tier={requested!r} needs CPU flags this machine lacks: {', '.join(missing)} "
+                         f"(supported here: {', '.join(t.name for t in supported) or 'none'})")
+    return tier
+
+
+def tier_source(family: str) -> Path:
+    return CSRC / f"tier_{family}.cpp"
+
+
+def build_tier_family(family: str, tier: KernelTier) -> ModuleType | None:
+    """csrc/tier_<family>.cpp compiled for `tier` (cached per source, header and flag hash), or None
+    with one log line where it cannot be built."""
+    if not tier.tiered:
+        raise ValueError(f"tier {tier.name} has its own kernel sources (kernels/cpu_gemv.py, cpu_quant.py)")
+    if family not in TIERED_FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; one of {', '.join(TIERED_FAMILIES)}")
+    return build_extension(f"chatserve_{family}_{tier.name}", [tier_source(family)], cflags=tier.cflags,
+                           headers=[CSRC / "vec.h"])

@@ -100,13 +100,18 @@ class ChatserveEngine:
         from chatserve import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
+        q, dtype, tier = parse_variant(quantization, dtype)
+        kernels = {"cpu_kernels": False} if tier == "none" else {"cpu_kernel_tier": tier}
         # NOTE: prefix caching off, so repeated prefill runs recompute the whole prompt.
         self.llm = LLM(model=model.path, dtype=dtype, enable_prefix_caching=False, num_threads=threads,
-                       quantization=quantization)
+                       quantization=q, **kernels)
         self.tokenizer = self.llm.get_tokenizer()
         self.max_cached_tokens = 0
+        ops = self.llm.engine.runner.ops
         self.info = {"llm": type(self.llm).__module__ + "." + type(self.llm).__qualname__,
-                     "quantization": quantization, "matmuls": self.llm.engine.runner.linear_impl}
+                     "quantization": q, "dtype": str(self.llm.engine.dtype).removeprefix("torch."),
+                     "kernel_tier": ops.cpu.tier if ops.cpu is not None else None,
+                     "matmuls": self.llm.engine.runner.linear_impl}
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = self.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -116,6 +121,17 @@ class ChatserveEngine:
         for o in outs:
             self.max_cached_tokens = max(self.max_cached_tokens, int(o.num_cached_tokens or 0))
         return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def parse_variant(variant: str, default_dtype: str) -> tuple[str, str, str]:
+    """A --quantization value QUANT[:DTYPE[:TIER]] -> (quantization, dtype, kernel tier): e.g. "auto"
+    (the --dtype, the CPU's best tier), "none:float32:none" (de-quantised float32 torch ops, the path
+    AVX2 hosts had before issue 30), "auto:bfloat16:avx2" (the AVX2 tier forced on a better CPU)."""
+    parts = variant.split(":")
+    q = parts[0]
+    dtype = parts[1] if len(parts) > 1 and parts[1] else default_dtype
+    tier = parts[2] if len(parts) > 2 and parts[2] else "auto"
+    return q, dtype, tier
 
 
 class LlamaCppEngine:
@@ -463,8 +479,33 @@ def issue21_targets(results: dict[str, dict[str, Any]], quantizations: list[str]
     return out
 
 
-def targets_table(targets: list[dict[str, Any]], *, prefill_tokens: int, batch_size: int) -> str:
-    rows = [("issue #21 target", "chatserve", "reference", "ratio", "goal", "result")]
+def issue30_targets(results: dict[str, dict[str, Any]], quantizations: list[str]) -> list[dict[str, Any]]:
+    """Issue #30's targets: the first variant (the kernel tier under test) against llama.cpp and
+    against the float32 torch fallback (the first variant with DTYPE float32, e.g. none:float32:none)."""
+    first = results.get(chatserve_key(quantizations[0], quantizations)) or {}
+    base_q = next((q for q in quantizations[1:] if parse_variant(q, "")[1] == "float32"), None)
+    base = (results.get(chatserve_key(base_q, quantizations)) or {}) if base_q else {}
+    lc = results.get("llamacpp") or {}
+    qname = f"chatserve ({quantizations[0]})"
+    specs = [
+        ("decode tok/s, batch 1", "bs1_decode_tok_s", "llama.cpp", lc, ">=", 1.5),
+        ("decode throughput tok/s, batch B", "bs32_tok_s", f"chatserve ({base_q})", base, ">=", 1.0),
+        ("prefill TTFT, P-token prompt (s)", "prefill_ttft_s", f"chatserve ({base_q})", base, "<=", 1.0),
+        ("prefill TTFT, P-token prompt, vs llama.cpp (s)", "prefill_ttft_s", "llama.cpp", lc, "<=", 0.5),
+        ("RSS after load (MiB)", "rss_after_load_mib", f"chatserve ({base_q})", base, "<=", 1.0),
+    ]
+    out = []
+    for label, key, ref_name, ref, op, goal in specs:
+        a, b = first.get(key), ref.get(key)
+        r = bc.ratio(a, b) if isinstance(a, (int, float)) and a > 0 else None
+        verdict = "n/a" if r is None else ("PASS" if (r >= goal if op == ">=" else r <= goal) else "FAIL")
+        out.append({"target": label, "metric": key, "quantized": qname, "value": a, "reference": ref_name,
+                    "reference_value": b, "ratio": r, "goal": f"{op} {goal:.2f}x", "result": verdict})
+    return out
+
+
+def targets_table(targets: list[dict[str, Any]], *, prefill_tokens: int, batch_size: int, issue: str = "#21") -> str:
+    rows = [(f"issue {issue} target", "chatserve", "reference", "ratio", "goal", "result")]
     for t in targets:
         spec = next((m[3] for m in bc.METRICS if m[0] == t["metric"]), "{:.3f}")
         rows.append((t["target"].replace("P-token", f"{prefill_tokens}-token").replace("batch B", f"batch {batch_size}"),
@@ -537,9 +578,14 @@ def main(argv: list[str] | None = None) -> int:
                  f"{len(work['batch_prompts'])} batch prompts")
 
     quantizations = [q.strip() for q in args.quantization.split(",") if q.strip()] or ["auto"]
-    bad = [q for q in quantizations if q not in ("auto", "none", "gguf", "int8")]
+    from chatserve.kernels.tiers import TIER_CHOICES
+
+    bad = [q for q in quantizations if len(q.split(":")) > 3 or q.split(":")[0] not in ("auto", "none", "gguf", "int8")
+           or parse_variant(q, args.dtype)[1] not in ("auto", "bfloat16", "float32")
+           or parse_variant(q, args.dtype)[2] not in (*TIER_CHOICES, "none")]
     if bad:
-        p.error(f"--quantization: each value must be auto, none, gguf or int8; got {', '.join(bad)}")
+        p.error(f"--quantization: each value must be QUANT[:DTYPE[:TIER]] with QUANT auto, none, gguf or int8, DTYPE "
+                f"auto, bfloat16 or float32, TIER {', '.join(TIER_CHOICES)} or none (kernels off); got {', '.join(bad)}")
     results: dict[str, dict[str, Any]] = {}
     for engine in engines:  # hf, chatserve (each --quantization), llamacpp: each in its own fresh worker
         for q in quantizations if engine == "chatserve" else quantizations[:1]:
@@ -569,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     targets = issue21_targets(results, quantizations) if "chatserve" in engines else []
     if any(t["result"] != "n/a" for t in targets):
         tables.append(targets_table(targets, **sizes))
+    targets30 = issue30_targets(results, quantizations) if "chatserve" in engines else []
+    if any(t["result"] != "n/a" for t in targets30):
+        tables.append(targets_table(targets30, **sizes, issue="#30"))
     table = "\n\n".join(tables)
     print()
     print(f"model: {spec['model']['path']}  dtype: {args.dtype}  threads: {args.threads}  "
@@ -588,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch": [len(x) for x in work["batch_prompts"]],
         }
         bc.write_json(args.json, {"config": cfg, "env": bc.env_info(), "results": results,
-                                  "bs1_greedy_agreement": agreement, "issue21_targets": targets, "table": table})
+                                  "bs1_greedy_agreement": agreement, "issue21_targets": targets,
+                                  "issue30_targets": targets30, "table": table})
         print(f"results written to {args.json}")
     return status
 

@@ -1,7 +1,9 @@
-"""The batch-invariant bf16 matmul (csrc/bf16_gemm.cpp, issue #20): each row of x @ W.T has the same
-bits whatever the row count of the call, the row's position in it and the thread split, for the
-model's shapes and ragged ones; close to the fp32 matmul; bad inputs refused by name; and the
-linear method that serves it (packed weights, a tied embedding read back from the packed copy)."""
+"""The batch-invariant bf16 matmul (csrc/bf16_gemm.cpp on AVX512-BF16, issue #20; csrc/tier_gemm.cpp
+for each other kernel tier this CPU runs, issue #30): each row of x @ W.T has the same bits whatever
+the row count of the call, the row's position in it and the thread split, for the model's shapes and
+ragged ones; close to the fp32 matmul; rounded to bf16 as torch rounds (nearest even, NaN kept); bad
+inputs refused by name; and the linear method that serves it (packed weights, a tied embedding read
+back from the packed copy)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.kernels.cpu_gemv import load_cpu_kernels
+from chatserve.kernels.cpu import CpuKernels, PackedGemm, cpu_has_avx512_bf16, load_cpu_kernels
+from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
 from chatserve.layers.linear import (
     GemvLinearMethod,
     Linear,
@@ -19,18 +22,65 @@ from chatserve.layers.linear import (
     select_linear_method,
 )
 
-# every row count the blocking treats differently: register tiles of 1-6 rows (8 columns wide up
-# to 3 rows), spread tails, the thread split switching from columns to rows at 64, cache blocks of 96
+from .helpers.tier_compile import compile_tier_object
+
+# every row count the blocking treats differently: register tiles of 1-6 rows (wider with fewer
+# rows), spread tails, the thread split switching from columns to rows at 64, row cache blocks
 ROW_COUNTS = [*range(1, 18), 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 1000, 1100]
 MAX_ROWS = max(ROW_COUNTS)
+# the hand-written AVX512-BF16 kernel, then each tier built from csrc/tier_gemm.cpp that this CPU runs
+GEMM_TIERS = ["avx512_bf16", *(t.name for t in supported_tiers() if t.tiered)]
+
+
+def _bf16_kernels() -> CpuKernels | None:
+    return load_cpu_kernels(amx=False, tier="avx512_bf16") if cpu_has_avx512_bf16() else None
+
+
+def tiered_gemm(ext) -> PackedGemm:
+    """A tier's gemm extension as the PackedGemm the layers see (unchecked: the tests check it)."""
+    return PackedGemm(pack=ext.gemm_pack, linear=ext.gemm, rows=ext.gemm_rows, peak_gflops=ext.fma_peak_gflops,
+                      packed_shape=lambda n, k: tuple(ext.gemm_packed_shape(n, k)))
+
+
+@pytest.fixture(scope="module", params=GEMM_TIERS)
+def gemm_tier(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def gemm():
-    kernels = load_cpu_kernels(amx=False)
+def gemm(gemm_tier) -> PackedGemm:
+    if gemm_tier == "avx512_bf16":
+        kernels = _bf16_kernels()
+        if kernels is None or kernels.gemm is None:
+            pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses another tier or torch ops")
+        return kernels.gemm
+    ext = build_tier_family("gemm", TIERS[gemm_tier])
+    if ext is None:
+        pytest.skip(f"csrc/tier_gemm.cpp did not build for {gemm_tier} (no compiler?)")
+    return tiered_gemm(ext)
+
+
+@pytest.fixture(scope="module")
+def gemm_kernels(gemm_tier, gemm) -> CpuKernels:
+    """A `CpuKernels` holding `gemm` (and the huge-page arena's allocator), for the linear method."""
+    if gemm_tier == "avx512_bf16":
+        return _bf16_kernels()
+    fused = build_tier_family("fused", TIERS[gemm_tier])
+    if fused is None:
+        pytest.skip(f"csrc/tier_fused.cpp did not build for {gemm_tier} (no compiler?)")
+    return CpuKernels(tier=gemm_tier, rms_norm=fused.rms_norm_bf16, paged_attention=None, store_kv_paged=None,
+                      store_kv=None, silu_mul=fused.silu_mul_bf16, rope_inplace=fused.rope_inplace_bf16,
+                      add_rms_norm=fused.add_rms_norm_bf16, huge_page_zeros=fused.huge_page_zeros,
+                      release_free_memory=fused.release_free_memory, gemm=gemm)
+
+
+@pytest.fixture(scope="module")
+def bf16_kernels() -> CpuKernels:
+    """The AVX512-BF16 tier's kernels (the older dot-product kernel it is compared with lives there only)."""
+    kernels = _bf16_kernels()
     if kernels is None or kernels.gemm is None:
-        pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
-    return kernels.gemm
+        pytest.skip("no AVX512-BF16 CPU or no compiler: the older kernel exists only there")
+    return kernels
 
 
 def _tolerance(ref: torch.Tensor) -> dict[str, float]:
@@ -74,8 +124,8 @@ def test_each_row_has_the_same_bits_at_every_row_count(gemm, shape):
 
 
 # threads splitting the columns (few rows; many columns), the rows (many rows, few columns), and
-# column cache blocks (3072 x 576: 4 blocks of weights per thread)
-@pytest.mark.parametrize("n,m", [(1000, 5), (1000, 40), (1000, 300), (3072, 300)])
+# column cache blocks (3072 x 576: 4 blocks of weights per thread); a prefill over each split
+@pytest.mark.parametrize("n,m", [(1000, 5), (1000, 40), (1000, 300), (3072, 300), (1536, 1000), (576, 1000)])
 def test_thread_count_never_changes_a_bit(gemm, n, m):
     torch.manual_seed(m)
     w = torch.randn(n, 576).to(torch.bfloat16)
@@ -92,11 +142,11 @@ def test_thread_count_never_changes_a_bit(gemm, n, m):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_the_old_split_is_what_this_replaces(gemm):
+def test_the_old_split_is_what_this_replaces(bf16_kernels):
     """Why the kernel exists: the older dot-product kernel + oneDNN split rounds the same row
     differently at different row counts (this guards the invariance tests above: the same check
     does see a difference on a path that has one)."""
-    kernels = load_cpu_kernels(amx=False)
+    kernels, gemm = bf16_kernels, bf16_kernels.gemm
     torch.manual_seed(11)
     w = torch.randn(576, 576).to(torch.bfloat16)
     x = torch.randn(300, 576).to(torch.bfloat16)
@@ -130,7 +180,7 @@ def test_strided_rows_are_read_in_place_and_bad_inputs_refused(gemm):
         gemm.linear(x.float(), packed, None, 64)
     with pytest.raises(RuntimeError, match="2-D"):
         gemm.linear(x[0], packed, None, 64)
-    with pytest.raises(RuntimeError, match="bf16_gemm_pack"):
+    with pytest.raises(RuntimeError, match="gemm_pack"):
         gemm.linear(x, w, None, 64)  # a plain weight, not a packed one
     with pytest.raises(RuntimeError, match="out must be"):
         gemm.pack(w, out=torch.empty(1, 47, 64, 2, dtype=torch.bfloat16))
@@ -151,10 +201,9 @@ def test_packed_rows_give_back_the_exact_weight_rows(gemm, shape):
             gemm.rows(packed, torch.tensor([bad]), n, k)
 
 
-def test_linear_method_packs_once_and_serves_a_tied_embedding(gemm, monkeypatch):
+def test_linear_method_packs_once_and_serves_a_tied_embedding(gemm_kernels, monkeypatch):
     monkeypatch.delenv("CHATSERVE_LINEAR", raising=False)
-    kernels = load_cpu_kernels(amx=False)
-    method = select_linear_method(torch.bfloat16, torch.device("cpu"), kernels)
+    method = select_linear_method(torch.bfloat16, torch.device("cpu"), gemm_kernels)
     assert isinstance(method, PackedGemmLinearMethod) and "batch-invariant" in method.description
     torch.manual_seed(5)
     head = Linear(96, 200, False, method)
@@ -175,8 +224,8 @@ def test_linear_method_packs_once_and_serves_a_tied_embedding(gemm, monkeypatch)
     assert torch.equal(head(x.t().contiguous().t()), head(x))
 
 
-def test_legacy_switch_and_bad_values(gemm, monkeypatch):
-    kernels = load_cpu_kernels(amx=False)
+def test_legacy_switch_and_bad_values(bf16_kernels, monkeypatch):
+    kernels = bf16_kernels
     monkeypatch.setenv("CHATSERVE_LINEAR", "legacy")
     assert isinstance(select_linear_method(torch.bfloat16, torch.device("cpu"), kernels), GemvLinearMethod)
     monkeypatch.setenv("CHATSERVE_LINEAR", "fast")
@@ -186,3 +235,75 @@ def test_legacy_switch_and_bad_values(gemm, monkeypatch):
 
 def test_peak_probe_reports_a_rate(gemm):
     assert gemm.peak_gflops(10_000) > 0
+
+
+def test_rounding_is_torchs_nearest_even_and_nan_is_kept(gemm, gemm_tier):
+    """With K = 2 every product of two bf16 is exact in fp32, so acc = x0 w0 + x1 w1 is rounded once
+    whatever the kernel's order; + bias and the bf16 rounding must then give torch's bits exactly:
+    ties to even (1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6), overflow to inf, and NaN for NaN or
+    inf * 0 (torch's 0x7FC0 on the tiered kernels; any NaN on AVX512-BF16, whose vcvtneps2bf16
+    keeps the input's payload)."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 2, generator=gen).to(torch.bfloat16)
+    w = torch.randn(48, 2, generator=gen).clamp(-1, 1).to(torch.bfloat16)  # |x w| stays finite: exact
+    b = torch.randn(48, generator=gen).to(torch.bfloat16)
+    b[:6] = 0
+    x[0], w[0] = torch.tensor([1.0, 2.0**-8]), torch.tensor([1.0, 1.0])  # a tie: to 1.0 (even)
+    x[1], w[1] = torch.tensor([1.0 + 2.0**-7, 2.0**-8]), torch.tensor([1.0, 1.0])  # a tie: to 1 + 2^-6
+    x[2], w[2] = torch.tensor([3e38, 3e38]), torch.tensor([1.0, 1.0])  # the sum overflows: inf
+    x[3, 0], x[4, 1] = float("nan"), float("inf")  # NaN; inf * w
+    w[5] = torch.tensor([1.0, 0.0])  # inf * 0 in row 4: NaN
+    packed = gemm.pack(w)
+    for bias in (b, None):
+        out = gemm.linear(x, packed, bias, 48)
+        xf, wf = x.float(), w.float()
+        ref = xf[:, :1] * wf[:, 0] + xf[:, 1:] * wf[:, 1]
+        if bias is not None:
+            ref = ref + bias.float()
+        ref = ref.to(torch.bfloat16)
+        nan = ref.isnan()
+        assert torch.equal(out.isnan(), nan)
+        assert torch.equal(out[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+        if gemm_tier != "avx512_bf16":
+            assert torch.equal(out[nan].view(torch.int16), ref[nan].view(torch.int16))  # 0x7FC0
+    assert float(gemm.linear(x[:2], packed, None, 48)[0, 0]) == 1.0
+    assert float(gemm.linear(x[:2], packed, None, 48)[1, 1]) == 1.0 + 2.0**-6
+
+
+def test_every_thread_count_and_row_position_gives_one_result(gemm):
+    """Rows alone, in prefixes of every length up to 300 and the whole 1,000, at 1 and 2 threads:
+    each row one set of bits (the column split of decode, the row split of prefill, spread tiles)."""
+    gen = torch.Generator().manual_seed(21)
+    n, k = 576, 200
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1000, k, generator=gen).to(torch.bfloat16)
+    packed = gemm.pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        full = gemm.linear(x, packed, b, n)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(gemm.linear(x, packed, b, n), full)
+            for m in range(1, 301, 1 if threads == 1 else 7):
+                assert torch.equal(gemm.linear(x[:m], packed, b, n), full[:m]), (threads, m)
+            for i in range(0, 1000, 37):
+                assert torch.equal(gemm.linear(x[i : i + 1], packed, b, n), full[i : i + 1]), (threads, i)
+    finally:
+        torch.set_num_threads(before)
+
+
+# the tiers whose vec.h section no tier of this CPU runs (AVX512 on an AVX2 host): compiled, not run
+UNRUNNABLE_TIERS = [t.name for t in TIERS.values() if t.tiered and not any(
+    set(t.cflags) & {"-DCHATSERVE_TIER_AVX2", "-DCHATSERVE_TIER_AVX512"} <= set(s.cflags) for s in supported_tiers() if s.tiered)]
+
+
+@pytest.mark.parametrize("tier", UNRUNNABLE_TIERS)
+def test_tier_gemm_compiles_for_tiers_this_cpu_cannot_run(tier, tmp_path):
+    """tier_gemm.cpp's instantiations for a vector width this CPU lacks still compile (with that
+    tier's flags; the object is not loaded: it would die of SIGILL here)."""
+    result = compile_tier_object("gemm", TIERS[tier], tmp_path)
+    if result is None:
+        pytest.skip("no C++ compiler")
+    assert result.returncode == 0, result.stderr[-4000:]

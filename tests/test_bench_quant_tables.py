@@ -177,3 +177,28 @@ def test_grid_table_missing_run() -> None:
     text = bs.grid_table([_summary("q", 4, 50.0, 10.0, 100.0), _summary("bf16", 1, 100.0, 20.0, 50.0)])
     row = next(ln for ln in text.splitlines() if ln.startswith("| 4: TTFT p50"))
     assert [c.strip() for c in row.split("|")[2:-1]] == ["50", "-", "-"]
+
+
+def test_variants_and_issue30_targets() -> None:
+    assert bo.parse_variant("auto", "bfloat16") == ("auto", "bfloat16", "auto")
+    assert bo.parse_variant("none:float32:none", "bfloat16") == ("none", "float32", "none")
+    assert bo.parse_variant("auto::avx2", "bfloat16") == ("auto", "bfloat16", "avx2")
+    quants = ["auto", "none:float32:none"]
+    results = {
+        "chatserve": _res(bs1_decode_tok_s=130.0, bs32_tok_s=600.0, prefill_ttft_s=2.0, rss_after_load_mib=300.0),
+        "chatserve[none:float32:none]": _res(bs1_decode_tok_s=14.0, bs32_tok_s=300.0, prefill_ttft_s=2.8,
+                                             rss_after_load_mib=700.0),
+        "llamacpp": _res(bs1_decode_tok_s=80.0, prefill_ttft_s=7.3),
+    }
+    t = _by_target(bo.issue30_targets(results, quants))
+    assert t["decode tok/s, batch 1"]["result"] == "PASS"  # 130 / 80 = 1.63x
+    assert t["decode throughput tok/s, batch B"]["result"] == "PASS"
+    assert t["prefill TTFT, P-token prompt (s)"]["result"] == "PASS"  # 2.0 <= 2.8
+    assert t["prefill TTFT, P-token prompt, vs llama.cpp (s)"]["result"] == "PASS"  # 2.0 / 7.3 <= 0.5
+    assert t["RSS after load (MiB)"]["result"] == "PASS"
+    results["chatserve"].update(bs1_decode_tok_s=110.0, prefill_ttft_s=3.7)
+    t = _by_target(bo.issue30_targets(results, quants))
+    assert t["decode tok/s, batch 1"]["result"] == "FAIL"  # 1.375x < 1.5x
+    assert t["prefill TTFT, P-token prompt (s)"]["result"] == "FAIL"
+    assert t["prefill TTFT, P-token prompt, vs llama.cpp (s)"]["result"] == "FAIL"  # 0.51 > 0.5
+    assert all(v["result"] == "n/a" for v in bo.issue30_targets({"chatserve": _res()}, ["auto"]))

@@ -1,12 +1,14 @@
-"""The quantized matmul (csrc/quant_gemm.cpp, issue #21) over GGUF blocks and int8 per channel, for
-every format:
+"""The quantized matmul (csrc/quant_gemm.cpp, issue #21; csrc/tier_quant.cpp per kernel tier, issue
+#30) over GGUF blocks and int8 per channel, for every format and every tier this CPU runs:
 - `rows` and `dequantize` read back exactly gguf's numpy de-quantisation, rounded to bf16;
 - `linear` equals the product of the int8-quantised activations (quant_reference.quantize_activations)
   with gguf's fp32 weights up to fp32 summation and the output's bf16 rounding (ACT_TOL), and the
   fp32 product of the unquantised activations within the stated tolerance (FP32_MAX_TOL of the largest
   output, FP32_MEAN_TOL on average): the activations' int8 rounding is the only approximation;
 - it is batch-invariant: the same bits for a row at every row count and position, and for a strided view;
-- the torch reference agrees with it within ACT_TOL; bad inputs are refused by name.
+- the torch reference agrees with it within ACT_TOL; bad inputs are refused by name;
+- the integer products stay exact at the extremes (AVX2's vpmaddubsw saturates pair sums at int16:
+  the largest quants times activations of +-127, and int8 weights of -128).
 
 Raw blocks: gguf.quants.quantize where gguf implements it (Q4_0, Q4_1, Q8_0); Q4_K and Q6_K have no
 quantizer in gguf 0.19, so their blocks are random bytes with small finite fp16 d / dmin (every bit
@@ -29,6 +31,7 @@ from chatserve.kernels.cpu_quant import (  # noqa: E402
     load_quant_kernels,
 )
 from chatserve.kernels.quant_reference import quantize_activations, reference_quant_kernels  # noqa: E402
+from chatserve.kernels.tiers import supported_tiers  # noqa: E402
 
 ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 17, 64, 100, 257, 1000]  # tiles of 1-2 rows x 4 columns, then of 3-4 x 2, row blocks of 256
 GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
@@ -37,11 +40,17 @@ GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiza
 SHAPES = {32: [(37, 96), (150, 224)], 256: [(37, 256), (70, 768)]}
 
 
-@pytest.fixture(scope="module")
-def quant():
-    kernels = load_quant_kernels()
+TIERS = supported_tiers()  # every tier this CPU runs, best first (none: the tests that need kernels skip)
+
+
+@pytest.fixture(scope="module", params=TIERS or [None], ids=[t.name for t in TIERS] or ["no-tier"])
+def quant(request):
+    if request.param is None:
+        pytest.skip("no kernel tier on this CPU (AVX2 or better): quantized weights are de-quantised at load")
+    kernels = load_quant_kernels(request.param.name)
     if kernels is None:
-        pytest.skip("no AVX512-BF16 CPU or no compiler: quantized weights are de-quantised at load")
+        pytest.skip(f"the {request.param.name} quantized kernels did not build or failed their self-check")
+    assert kernels.tier == request.param.name
     return kernels
 
 
@@ -158,6 +167,56 @@ def test_int8_per_channel(quant):
         reference = reference_quant_kernels()
         _assert_act_close(quant.linear(x, packed, QTYPE_INT8_CHANNEL, n, k, None),
                           reference.linear(x, reference.pack_int8(q, scale), QTYPE_INT8_CHANNEL, n, k, None).double())
+
+
+# bytes of each GGUF block that hold quants, set to the largest quant (0xFF: u = 15, Q6_K q = 63) or
+# for Q8_0 to q = -128 (0x80; |q| = 128 is the sign trick's largest unsigned operand)
+EXTREME_QUANTS = {GGMLQuantizationType.Q4_0: (slice(2, 18), 0xFF), GGMLQuantizationType.Q4_1: (slice(4, 20), 0xFF),
+                  GGMLQuantizationType.Q8_0: (slice(2, 34), 0x80), GGMLQuantizationType.Q4_K: (slice(16, 144), 0xFF),
+                  GGMLQuantizationType.Q6_K: (slice(0, 192), 0xFF)}
+
+
+def _extreme_rows(k: int) -> torch.Tensor:
+    """Rows whose int8 activations are +-127 everywhere (all +1, all -1, alternating, in pairs), then one random."""
+    sign = torch.ones(4, k)
+    sign[1] = -1
+    sign[2, 1::2] = -1
+    sign[3, 2::4] = -1
+    sign[3, 3::4] = -1
+    return torch.cat([sign, torch.randn(1, k, generator=torch.Generator().manual_seed(5))]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
+def test_extreme_quants_stay_exact(quant, qtype):
+    """The largest quants times activations of +-127 over whole sub-blocks: the sums an int16 lane of
+    vpmaddubsw accumulates are at their bound (4-bit: 16 products of 15 x 127; 6-bit: 4 of 63 x 127;
+    8-bit: 2 of 128 x 127); a saturated or wrapped sum would be far outside ACT_TOL."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n, k = 40, 2 * max(block, 64)
+    raw = _raw_blocks(qtype, n, k, np.random.default_rng(11)).reshape(n, k // block, type_size)
+    where, value = EXTREME_QUANTS[qtype]
+    raw[:, :, where] = value
+    raw = raw.reshape(n, -1)
+    w32 = torch.from_numpy(gguf_quants.dequantize(raw, qtype).reshape(n, k).copy())
+    packed = quant.pack(torch.from_numpy(raw.copy()), int(qtype), n, k)
+    assert torch.equal(quant.dequantize(packed, int(qtype), n, k), w32.to(torch.bfloat16))
+    x = _extreme_rows(k)
+    _assert_act_close(quant.linear(x, packed, int(qtype), n, k, None), _quantised_product(x, w32, None))
+
+
+def test_int8_of_minus_128_stays_exact(quant):
+    """int8 per channel weights may hold -128 (pack_int8 takes any int8): |q| = 128 times 127, twice, is
+    the sign trick's largest pair (32512 <= 32767)."""
+    n, k = 24, 96
+    q = torch.full((n, k), -128, dtype=torch.int8)
+    q[1::2] = 127
+    q[2, ::3] = 0
+    scale = torch.rand(n, generator=torch.Generator().manual_seed(2)) * 0.01 + 1e-4
+    w32 = scale[:, None] * q.float()
+    packed = quant.pack_int8(q, scale)
+    assert torch.equal(quant.dequantize(packed, QTYPE_INT8_CHANNEL, n, k), w32.to(torch.bfloat16))
+    x = _extreme_rows(k)
+    _assert_act_close(quant.linear(x, packed, QTYPE_INT8_CHANNEL, n, k, None), _quantised_product(x, w32, None))
 
 
 def test_packed_weights_take_the_files_bytes(quant):

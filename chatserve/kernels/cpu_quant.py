@@ -1,32 +1,36 @@
-"""Quantized matmul for AVX512-VNNI + AVX512-BF16 CPUs over weights kept in GGUF block formats
-(csrc/quant_gemm.cpp, issue #21): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and our weight-only int8 per output channel.
+"""Quantized matmul over weights kept in GGUF block formats (issue #21): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+and our weight-only int8 per output channel, per kernel tier (issue #30): the AVX512-BF16 tier runs
+csrc/quant_gemm.cpp (hand-written for zmm and vpdpbusd), the other tiers csrc/tier_quant.cpp, one
+source over csrc/vec.h compiled per tier (AVX2 with vpmaddubsw, AVX2 + AVX-VNNI, AVX512 + VNNI).
 
 How it computes: each row of x is quantised to int8 in blocks of 32 (one fp32 scale each, as
-llama.cpp's Q8 activations) and multiplied with the weights' integer quants by vpdpbusd; the
-weights' scales and offsets are applied per sub-block in fp32 (the header of quant_gemm.cpp has the
-arithmetic). Why not de-quantise to bf16 in registers: that costs ~9 instructions per 32 weights and
-ran compute-bound below the memory's rate; this one streams the weights (BENCHMARKS.md, issue 21).
+llama.cpp's Q8 activations) and multiplied with the weights' integer quants in exact integers; the
+weights' scales and offsets are applied per sub-block in fp32 (the headers of quant_gemm.cpp and
+tier_quant.cpp have the arithmetic, the same in both). Why not de-quantise to bf16 in registers: that
+costs ~9 instructions per 32 weights and ran compute-bound below the memory's rate; this one streams
+the weights (BENCHMARKS.md, issue 21).
 
-What can be trusted: every output's arithmetic is the same whatever the row count, the row's place
-in the batch or the thread split (batch-invariant, so prefill and decode agree bit for bit); the
-weights it multiplies are exactly gguf's de-quantised values (`rows` / `dequantize` return them,
-rounded to bf16, bit for bit); the only error against the fp32 product is the activations' int8
-rounding (tests/test_quant_gemm.py states the tolerance).
+What can be trusted, on every tier: every output's arithmetic is the same whatever the row count, the
+row's place in the batch or the thread split (batch-invariant, so prefill and decode agree bit for
+bit); the weights it multiplies are exactly gguf's de-quantised values (`rows` / `dequantize` return
+them, rounded to bf16, bit for bit); the only error against the fp32 product is the activations' int8
+rounding (tests/test_quant_gemm.py states the tolerance and runs every tier this CPU supports).
 
-A separate extension from cpu_gemv's (its own name and source hash, the same build folder, lock and
-compiler flags), so editing this kernel does not rebuild the others.
+Each tier is its own extension (kernels/build.py: its own name and source/flag hash, the shared
+build folder and lock), so editing one kernel rebuilds only it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from chatserve.kernels.cpu_gemv import _build_root, _exclusive_build, cpu_has_flags
+from chatserve.kernels.build import CSRC, build_extension
+from chatserve.kernels.tiers import TIERS, build_tier_family, cpu_flags, select_tier
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +41,15 @@ SUPPORTED_QTYPES: frozenset[int] = frozenset({QTYPE_Q4_0, QTYPE_Q4_1, QTYPE_Q8_0
 BLOCK_VALUES: dict[int, int] = {QTYPE_Q4_0: 32, QTYPE_Q4_1: 32, QTYPE_Q8_0: 32, QTYPE_Q4_K: 256, QTYPE_Q6_K: 256,
                                 QTYPE_INT8_CHANNEL: 32}
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "quant_gemm.cpp"]
+# The AVX512-BF16 tier's own kernel and flags (as before the tiers: cpu_gemv's flags less AMX, plus
+# VNNI; build.py adds -O3 -fopenmp -ffp-contract=off, which the exact de-quantisation relies on).
+_AVX512_BF16_SOURCE = CSRC / "quant_gemm.cpp"
+_AVX512_BF16_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni")
 
 
 @dataclass(frozen=True)
 class QuantKernels:
-    """The compiled quantized matmul, proven on this machine by load_quant_kernels."""
+    """The compiled quantized matmul of one tier, proven on this machine by load_quant_kernels."""
 
     pack: Callable[..., torch.Tensor]  # (raw uint8 [N, row_bytes] GGUF blocks, qtype, N, K, out=None) -> packed uint8 1-D
     pack_int8: Callable[..., torch.Tensor]  # (q int8 [N, K], scale float32 [N], out=None) -> packed (QTYPE_INT8_CHANNEL)
@@ -53,39 +59,43 @@ class QuantKernels:
     packed_nbytes: Callable[[int, int, int], int]  # (qtype, N, K) -> bytes of the packed weight
     # (bytes > 0: set; 0: keep) -> the decode path's prefetch distance before; for scripts/bench_quant.py
     prefetch_bytes: Callable[[int], int] | None = None
+    # the kernel tier (kernels/tiers.py) these were built for; a packed weight is only valid for its tier
+    tier: str = "avx512_bf16"
+
+    @property
+    def description(self) -> str:
+        return f"{self.tier} kernels, int8 activations"
 
 
-def load_quant_kernels() -> QuantKernels | None:
-    """The compiled kernels, verified on this machine, or None (no AVX512-BF16 or AVX512-VNNI, no
-    compiler, or a failed self-check: callers then de-quantise at load)."""
-    if not cpu_has_flags("avx512_bf16", "avx512_vnni"):
+def load_quant_kernels(tier: str = "auto") -> QuantKernels | None:
+    """The compiled kernels of `tier` ("auto": the best this CPU runs), verified on this machine, or
+    None (no kernel tier on this CPU, no compiler, or a failed self-check: callers then de-quantise at
+    load). Built and checked once per tier per process. A tier the CPU lacks is a ValueError naming it."""
+    chosen = select_tier(tier)
+    return None if chosen is None else _load_tier(chosen.name)
+
+
+@functools.cache
+def _load_tier(name: str) -> QuantKernels | None:
+    tier = TIERS[name]
+    if tier.tiered:
+        ext = build_tier_family("quant", tier)
+    elif "avx512_vnni" not in cpu_flags():  # the tier's flags imply it on every CPU made; quant_gemm needs it
+        logger.warning("quantized matmul kernels unavailable (no AVX512-VNNI); quantized weights are de-quantised at load")
         return None
+    else:
+        ext = build_extension("chatserve_quant_kernels", [_AVX512_BF16_SOURCE], cflags=_AVX512_BF16_CFLAGS)
+    if ext is None:  # build.py logged why
+        return None
+    kernels = QuantKernels(pack=ext.quant_pack, pack_int8=ext.quant_pack_int8, linear=ext.quant_linear,
+                           rows=ext.quant_rows, dequantize=ext.quant_dequantize,
+                           packed_nbytes=ext.quant_packed_nbytes, prefetch_bytes=ext.quant_prefetch_bytes, tier=name)
     try:
-        from torch.utils.cpp_extension import load
-
-        name = f"chatserve_quant_kernels_{_sources_hash()}"
-        build_dir = _build_root() / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with _exclusive_build(build_dir):
-            ext = load(
-                name=name,
-                build_directory=str(build_dir),
-                sources=[str(p) for p in _SOURCES],
-                # the flags of cpu_gemv's extension (less the AMX ones, plus VNNI): -ffp-contract=off keeps
-                # every multiply and add as written, which the exact de-quantisation relies on
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-fopenmp",
-                              "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        kernels = QuantKernels(pack=ext.quant_pack, pack_int8=ext.quant_pack_int8, linear=ext.quant_linear,
-                               rows=ext.quant_rows, dequantize=ext.quant_dequantize,
-                               packed_nbytes=ext.quant_packed_nbytes, prefetch_bytes=ext.quant_prefetch_bytes)
         _self_check(kernels)
-        return kernels
-    except Exception as exc:  # no compiler, no ninja, unusual platform, wrong results: de-quantise at load
-        logger.warning("quantized matmul kernels unavailable (%s); quantized weights are de-quantised at load", exc)
+    except Exception as exc:  # wrong results (or an unusual platform): de-quantise at load
+        logger.warning("quantized matmul kernels (%s) unavailable (%s); quantized weights are de-quantised at load", name, exc)
         return None
+    return kernels
 
 
 def _self_check(k: QuantKernels) -> None:
@@ -108,12 +118,3 @@ def _self_check(k: QuantKernels) -> None:
     alone = torch.cat([k.linear(x[i : i + 1], packed, QTYPE_INT8_CHANNEL, n, kdim, b) for i in (0, 8)])
     if not (torch.allclose(out.float(), ref, atol=0.02 * float(ref.abs().max()) + 0.02) and torch.equal(alone, out[[0, 8]])):
         raise RuntimeError("quantized matmul gave wrong results")
-
-
-def _sources_hash() -> str:
-    import hashlib
-
-    digest = hashlib.sha1(str(_CSRC.resolve()).encode())
-    for path in _SOURCES:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:10]

@@ -1,0 +1,521 @@
+// Paged attention and the K/V stores of the tiered builds (issue #30: AVX2 and AVX512 without BF16),
+// written once over csrc/vec.h: prefill, chunked prefill over cached keys, and decode in one kernel,
+// with one reduction order per (query row, query head). The same three functions, signatures and
+// semantics as the AVX512-BF16 kernel (cpu_attention.cpp); only the in-block layout and the
+// instructions differ (fp32 FMAs where that kernel has bf16 dot products).
+//
+// Why one kernel, one order: a row's result must not depend on how it is scheduled (issue 20). For
+// every (row, head) the keys 0..pos are walked in tiles of kTile = 16 key positions (16j .. 16j + 15,
+// through the block table; a tile may span several blocks of 8 or fewer keys), each tile one
+// online-softmax step, with the same instructions whether the row is one decode token, one of a
+// 1,000-token prompt, or one of several sequences sharing a cached prefix. Nothing is split over
+// keys (no split-K): threads only divide query rows among themselves.
+//
+// How, without bf16 dot products: the cache is kept in this kernel's own layout inside each block
+// (store_kv_paged_bf16 writes it; the engine's block operations, copy-on-write and zeroing, are
+// layout-blind):
+//   K as [KVH][D][block_size]: a tile's 16 keys of one dim are kTile / kLanes vectors (key i in
+//     lane i % kLanes), so a tile's scores are an fp32 FMA chain over d = 0..D-1 of broadcast q[d]
+//     times those vectors (q widened to fp32 once per item; no transpose, no horizontal sum);
+//   V as [KVH][block_size][D]: acc[d] = acc[d] * corr, then acc[d] += p_i * V[i][d] for the tile's
+//     keys i in key order (an FMA chain per dim; P stays fp32, it is never rounded to bf16).
+// Per tile and row: s = (q . k) * scale, masked to -inf past pos; m_new = max(m, max s); corr =
+// e^(m - m_new) (e^-87 ~ 1e-38 on the first tile, where acc and l are still 0); p = e^(s - m_new)
+// masked to 0 past pos; l = l * corr + p per lane (one FMA; lanes summed once, at the end, in
+// vec.h's fixed tree); out = acc * (1 / l), rounded to bf16 (RNE).
+// The q-vectors (row, head) sharing a KV head are processed in work items of up to kMaxItemRows;
+// rows that read the same physical tile (a prompt's rows, sequences of a group sharing a prefix)
+// compute together: kChunk rows' scores share every K load, kPvRows rows' weighted sums share
+// every V load; each row's own chains are the ones it has alone. Built with -ffp-contract=off
+// (kernels/build.py): no multiply fuses with an add unless written as cs::fma.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using cs::VF;
+using cs::kLanes;
+
+constexpr int64_t kTile = 16;                    // key positions per online-softmax step (part of the arithmetic)
+constexpr int kTV = kTile / kLanes;              // vectors per tile: 2 (AVX2), 1 (AVX512)
+constexpr int kMaxItemRows = 48;                 // q-vectors per work item
+constexpr int kChunk = 12 / kTV;                 // rows scored together: 12 accumulators (AVX2 has 16 registers)
+constexpr int kPairRows = kChunk / 2;            // up to this many rows score two tiles at once
+constexpr int kPvRows = kLanes == 8 ? 2 : 4;     // rows whose weighted sums share V loads
+constexpr int64_t kMaxHeadDim = 256;
+static_assert(kTile % kLanes == 0, "a tile is whole vectors");
+static_assert(kChunk <= kLanes, "a chunk's corrections are one vector");
+
+struct QVec {
+  int64_t t;     // row of q / out
+  int64_t head;  // query head
+  int64_t seq;   // sequence (row of the block tables)
+  int64_t pos;   // position: keys 0..pos are attended
+};
+
+struct Item {
+  int64_t begin, end;  // range of the group's q-vectors
+  int64_t kv_head;
+  int64_t group;
+  double cost;
+};
+
+struct Ctx {
+  const uint16_t* q;  // bf16 bits
+  int64_t q_row_stride;
+  const uint16_t* k;
+  const uint16_t* v;
+  uint16_t* out;
+  const int64_t* tables;
+  int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
+
+// Per thread: the item's rows (q in fp32, running state), a chunk's P, a gathered K tile.
+struct Scratch {
+  alignas(64) float q[kMaxItemRows * kMaxHeadDim];
+  alignas(64) float acc[kMaxItemRows * kMaxHeadDim];
+  alignas(64) float lv[kMaxItemRows * kTile];  // per row: the running sum of p, lane by lane
+  alignas(64) float p[kChunk * kTile];         // the chunk's P, read back as broadcasts by the V step
+  alignas(64) uint16_t kt[2][kMaxHeadDim * kTile];  // [D][16 keys]: tiles' K from blocks of < kLanes keys
+  float m[kMaxItemRows];
+};
+
+// Where one tile's K and V are: dim d of keys v * kLanes .. at k[v] + d * k_stride; key i's V row at v[i].
+struct Tile {
+  const uint16_t* k[kTV];
+  int64_t k_stride;
+  const uint16_t* v[kTile];
+};
+
+// The physical blocks a q-vector at `pos` reads for the tile at key0 (one, or 16 / block_size when
+// blocks are smaller than a tile): the tile's identity. Keys past the row's last block read its last
+// block again (finite data, masked out).
+inline int tile_blocks(const Ctx& c, const int64_t* table, int64_t pos, int64_t key0, int64_t* blocks) {
+  const int64_t bs = c.block_size, last = pos / bs;
+  const int n = bs >= kTile ? 1 : static_cast<int>(kTile / bs);
+  for (int i = 0; i < n; ++i) blocks[i] = table[std::min(key0 / bs + i, last)];
+  return n;
+}
+
+inline Tile locate_tile(const Ctx& c, const int64_t* blocks, int64_t key0, int64_t kv_head, uint16_t* kt) {
+  const int64_t bs = c.block_size, D = c.head_dim, head = bs * D, block = c.num_kv_heads * head;
+  // key i of the tile: its block's (K or V) head base, and its slot in the block
+  auto base = [&](const uint16_t* cache, int64_t i) { return cache + blocks[bs >= kTile ? 0 : i / bs] * block + kv_head * head; };
+  auto slot = [&](int64_t i) { return (key0 + i) % bs; };
+  Tile t;
+  for (int i = 0; i < kTile; ++i) t.v[i] = base(c.v, i) + slot(i) * D;
+  if (bs >= kLanes) {  // each vector of keys lies in one block
+    for (int v = 0; v < kTV; ++v) t.k[v] = base(c.k, v * kLanes) + slot(v * kLanes);
+    t.k_stride = bs;
+    return t;
+  }
+  for (int64_t b = 0; b < kTile / bs; ++b) {  // smaller blocks: gather the tile's K lanes
+    const uint16_t* src = base(c.k, b * bs);
+    for (int64_t d = 0; d < D; ++d) std::memcpy(kt + d * kTile + b * bs, src + d * bs, bs * sizeof(uint16_t));
+  }
+  for (int v = 0; v < kTV; ++v) t.k[v] = kt + v * kLanes;
+  t.k_stride = kTile;
+  return t;
+}
+
+// Scores of N rows against NT tiles' keys: per row, tile and vector, one FMA chain over d = 0..D-1.
+// (Two tiles at once give a decode's few rows independent chains to overlap; each chain is the same.)
+template <int N, int NT>
+CS_INLINE void tile_scores(const Tile* t, const float* const* q, int64_t D, VF (&s)[NT][N][kTV]) {
+  _Pragma("GCC unroll 2") for (int u = 0; u < NT; ++u)
+    _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n)
+      _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[u][n][v] = cs::zero();
+  for (int64_t d = 0; d < D; ++d) {
+    _Pragma("GCC unroll 2") for (int u = 0; u < NT; ++u) {  // one tile's K at a time: AVX2 has 16 registers
+      VF k[kTV];
+      _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) k[v] = cs::load_bf16(t[u].k[v] + d * t[u].k_stride);
+      _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
+        const VF qd = cs::broadcast(q[n] + d);
+        _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[u][n][v] = cs::fma(qd, k[v], s[u][n][v]);
+      }
+    }
+  }
+}
+
+// The V part of one step for NR rows and NG groups of 2 * kLanes dims from d: acc = acc * corr,
+// then the tile's keys in order, acc += p_i * V_i. A group's dims are read as one vector of bf16
+// pairs and widened by a shift and an and (load_bf16_even_odd: no shuffle), so the row's
+// accumulators hold a group as [its even dims][its odd dims] (put back in order at the end). The
+// rows share every V load.
+template <int NR, int NG>
+CS_INLINE void pv_block(float* const* acc, const VF* corr, const float* p, const Tile& t, int64_t d) {
+  VF a[NR][2 * NG];
+  _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r)
+    _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NG; ++j) a[r][j] = cs::mul(cs::load(acc[r] + d + j * kLanes), corr[r]);
+  _Pragma("GCC unroll 16") for (int i = 0; i < kTile; ++i) {
+    VF w[NR];
+    _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r) w[r] = cs::broadcast(p + r * kTile + i);
+    _Pragma("GCC unroll 8") for (int g = 0; g < NG; ++g) {
+      VF even, odd;
+      cs::load_bf16_even_odd(t.v[i] + d + g * 2 * kLanes, even, odd);
+      _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r) {
+        a[r][2 * g] = cs::fma(w[r], even, a[r][2 * g]);
+        a[r][2 * g + 1] = cs::fma(w[r], odd, a[r][2 * g + 1]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r)
+    _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NG; ++j) cs::store(acc[r] + d + j * kLanes, a[r][j]);
+}
+
+// Dims d.. of NR rows in blocks of NG groups, then NG / 2, ..., 1 (head_dim is a multiple of 32).
+template <int NR, int NG>
+CS_INLINE void pv_span(int64_t D, float* const* acc, const VF* corr, const float* p, const Tile& t, int64_t d) {
+  for (; d + NG * 2 * kLanes <= D; d += NG * 2 * kLanes) pv_block<NR, NG>(acc, corr, p, t, d);
+  if constexpr (NG > 1) {
+    if (d < D) pv_span<NR, NG / 2>(D, acc, corr, p, t, d);
+  }
+}
+
+// accumulators per pass: about half the registers (8 of AVX2's 16, 16 of AVX512's 32)
+template <int NR>
+CS_INLINE void pv_rows(int64_t D, float* const* acc, const VF* corr, const float* p, const Tile& t) {
+  constexpr int kAcc = kLanes == 8 ? 8 : 16, kGroups = kAcc / (2 * NR) > 1 ? kAcc / (2 * NR) : 1;
+  pv_span<NR, kGroups>(D, acc, corr, p, t, 0);
+}
+
+// N rows take one online-softmax step over a tile whose scores s are computed (see the header).
+template <int N>
+CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][kTV], const QVec* qv, const int* rows,
+                          int64_t key0) {
+  const int64_t D = c.head_dim;
+  // per row: scores scaled and masked past pos (partial tiles only: on a full tile the mask keeps
+  // every lane, the same bits), the new running max, and m_old - m_new into lane n of one vector
+  const VF scale = cs::set1(c.scale);
+  alignas(64) float corr_lanes[kLanes] = {};
+  float m_new[N];
+  int valid[N];
+  _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
+    const int r = rows[n];
+    valid[n] = static_cast<int>(std::min<int64_t>(qv[r].pos - key0 + 1, kTile));  // >= 1
+    VF top = cs::set1(-INFINITY);
+    for (int v = 0; v < kTV; ++v) {
+      s[n][v] = cs::mul(s[n][v], scale);
+      if (valid[n] < kTile) s[n][v] = cs::keep_first(s[n][v], valid[n] - v * kLanes, -INFINITY);
+      top = cs::max(top, s[n][v]);
+    }
+    const float m_old = st.m[r];
+    m_new[n] = std::max(m_old, cs::hmax(top));
+    st.m[r] = m_new[n];
+    corr_lanes[n] = m_old - m_new[n];  // -inf on the first tile, 0 while the max stays
+  }
+  cs::store(corr_lanes, cs::exp(cs::load(corr_lanes)));  // every row's correction in one exp, lane by lane
+  VF corr[N];
+  float* acc[N];
+  _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
+    const int r = rows[n];
+    corr[n] = cs::broadcast(corr_lanes + n);
+    float* lv = st.lv + r * kTile;
+    float* p = st.p + n * kTile;
+    for (int v = 0; v < kTV; ++v) {
+      VF e = cs::exp(cs::sub(s[n][v], cs::set1(m_new[n])));
+      if (valid[n] < kTile) e = cs::keep_first(e, valid[n] - v * kLanes, 0.0f);
+      cs::store(p + v * kLanes, e);
+      cs::store(lv + v * kLanes, cs::fma(cs::load(lv + v * kLanes), corr[n], e));
+    }
+    acc[n] = st.acc + r * D;
+  }
+  constexpr int kFull = N / kPvRows * kPvRows;
+  for (int n = 0; n < kFull; n += kPvRows) pv_rows<kPvRows>(D, acc + n, corr + n, st.p + n * kTile, t);
+  if constexpr (N % kPvRows != 0) pv_rows<N % kPvRows>(D, acc + kFull, corr + kFull, st.p + kFull * kTile, t);
+}
+
+// N rows reading the same NT consecutive tiles (from key0): scores of all, then the steps in order.
+template <int N, int NT>
+void step(const Ctx& c, Scratch& st, const Tile* t, const QVec* qv, const int* rows, int64_t key0) {
+  const float* q[N];
+  for (int n = 0; n < N; ++n) q[n] = st.q + rows[n] * c.head_dim;
+  VF s[NT][N][kTV];
+  tile_scores<N, NT>(t, q, c.head_dim, s);
+  for (int u = 0; u < NT; ++u) softmax_pv<N>(c, st, t[u], s[u], qv, rows, key0 + u * kTile);
+}
+
+// n rows (n <= N) in one step of up to N rows over nt (1, or 2 for n <= kPairRows) tiles
+template <int N = kChunk>
+void step_rows(const Ctx& c, Scratch& st, const Tile* t, int nt, const QVec* qv, const int* rows, int n, int64_t key0) {
+  if constexpr (N > 1) {
+    if (n < N) return step_rows<N - 1>(c, st, t, nt, qv, rows, n, key0);
+  }
+  if constexpr (N <= kPairRows) {
+    if (nt == 2) return step<N, 2>(c, st, t, qv, rows, key0);
+  }
+  step<N, 1>(c, st, t, qv, rows, key0);
+}
+
+void run_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int n, int64_t key0) {
+  for (int i = 0; i < n; i += kChunk) step_rows(c, st, &t, 1, qv, rows + i, std::min(kChunk, n - i), key0);
+}
+
+// Whether all n rows read the same two tiles from key0 (then their steps can score both at once).
+bool same_tile_pair(const Ctx& c, const QVec* qv, int64_t n, int64_t key0, int64_t (*blocks)[kTile], int* nb) {
+  if (n > kPairRows) return false;
+  for (int64_t r = 0; r < n; ++r) {
+    if (qv[r].pos < key0 + kTile) return false;
+    for (int u = 0; u < 2; ++u) {
+      int64_t mine[kTile];
+      const int64_t* table = c.tables + qv[r].seq * c.max_blocks;
+      const int m = tile_blocks(c, table, qv[r].pos, key0 + u * kTile, r == 0 ? blocks[u] : mine);
+      if (r == 0) nb[u] = m;
+      else if (m != nb[u] || !std::equal(mine, mine + m, blocks[u])) return false;
+    }
+  }
+  return true;
+}
+
+void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_head) {
+  const int64_t D = c.head_dim;
+  int64_t max_pos = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* q = c.q + qv[r].t * c.q_row_stride + qv[r].head * D;
+    for (int64_t d = 0; d < D; d += kLanes) cs::store(st.q + r * D + d, cs::load_bf16(q + d));
+    std::memset(st.acc + r * D, 0, D * sizeof(float));
+    std::memset(st.lv + r * kTile, 0, kTile * sizeof(float));
+    st.m[r] = -INFINITY;
+    max_pos = std::max(max_pos, qv[r].pos);
+  }
+  int rows[kMaxItemRows];
+  int64_t cur[kTile], blocks[kTile];
+  Tile tile{};
+  const bool whole_blocks = c.block_size >= kTile;  // a tile lies in one block: same sequence, same tile
+  for (int64_t key0 = 0; key0 <= max_pos; key0 += kTile) {
+    int64_t pair_blocks[2][kTile];
+    int pair_nb[2];
+    if (same_tile_pair(c, qv, n, key0, pair_blocks, pair_nb)) {  // a decode's few rows: two tiles a step
+      const Tile pair[2] = {locate_tile(c, pair_blocks[0], key0, kv_head, st.kt[0]),
+                            locate_tile(c, pair_blocks[1], key0 + kTile, kv_head, st.kt[1])};
+      for (int64_t r = 0; r < n; ++r) rows[r] = static_cast<int>(r);
+      step_rows(c, st, pair, 2, qv, rows, static_cast<int>(n), key0);
+      key0 += kTile;
+      continue;
+    }
+    int ncur = 0, nrows = 0;
+    int64_t cur_seq = -1;
+    for (int64_t r = 0; r < n; ++r) {
+      if (qv[r].pos < key0) continue;
+      if (!(whole_blocks && qv[r].seq == cur_seq)) {
+        const int nb = tile_blocks(c, c.tables + qv[r].seq * c.max_blocks, qv[r].pos, key0, blocks);
+        if (nb != ncur || !std::equal(blocks, blocks + nb, cur)) {  // another physical tile: other K/V
+          if (nrows) run_rows(c, st, tile, qv, rows, nrows, key0);
+          nrows = 0;
+          ncur = nb;
+          std::copy(blocks, blocks + nb, cur);
+          tile = locate_tile(c, cur, key0, kv_head, st.kt[0]);
+        }
+        cur_seq = qv[r].seq;
+      }
+      rows[nrows++] = static_cast<int>(r);
+    }
+    if (nrows) run_rows(c, st, tile, qv, rows, nrows, key0);
+  }
+  for (int64_t r = 0; r < n; ++r) {  // out = acc / l, l's lanes summed in vec.h's fixed tree
+    VF l = cs::load(st.lv + r * kTile);
+    for (int v = 1; v < kTV; ++v) l = cs::add(l, cs::load(st.lv + r * kTile + v * kLanes));
+    const VF inv = cs::set1(1.0f / cs::hsum(l));
+    const float* acc = st.acc + r * D;
+    uint16_t* o = c.out + (qv[r].t * c.num_heads + qv[r].head) * D;
+    alignas(64) float row[kMaxHeadDim];
+    for (int64_t g = 0; g < D; g += 2 * kLanes)  // a group's [even dims][odd dims] back in order
+      for (int i = 0; i < kLanes; ++i) {
+        row[g + 2 * i] = acc[g + i];
+        row[g + 2 * i + 1] = acc[g + kLanes + i];
+      }
+    for (int64_t d = 0; d < D; d += kLanes) cs::store_bf16(o + d, cs::mul(cs::load(row + d), inv));
+  }
+}
+
+const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* mutable_bits(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// k, v [T, KVH, D] rows (strided views allowed, heads contiguous) against caches [blocks, block_size, KVH, D]
+void check_store_args(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      torch::Tensor& slot_mapping) {
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "shape mismatch");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0),
+              "slot_mapping must be int64 [T]");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "K/V rows do not match the cache's heads");
+  for (auto* t : {&k, &v})
+    if (t->stride(2) != 1 || t->stride(1) != t->size(2)) *t = t->contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot ", slots[t], " outside the KV pool");
+}
+
+}  // namespace
+
+// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D]
+// in the layout store_kv_paged_bf16 writes; block_tables [S, max_blocks] int64; query_start [S + 1]
+// int64 (sequence s owns rows query_start[s] .. query_start[s + 1] - 1 of q, at positions
+// start_pos[s], start_pos[s] + 1, ...; their K/V already stored); groups: seq_order [S] lists the
+// sequences group by group, group_start [G + 1] where each group begins in it (a group's rows are
+// processed together: sequences sharing cached blocks read them once). Returns [T, H, D].
+torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos,
+                                   torch::Tensor seq_order, torch::Tensor group_start, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shape mismatch");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  for (const auto* t : {&block_tables, &query_start, &start_pos, &seq_order, &group_start})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "block tables, query_start, start_pos and groups must be int64");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(2), bs = k_cache.size(1), NB = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(bs >= 2 && (bs % kTile == 0 || kTile % bs == 0), "block_size must be 2, 4, 8 or a multiple of 16");
+  if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  query_start = query_start.contiguous();
+  start_pos = start_pos.contiguous();
+  seq_order = seq_order.contiguous();
+  group_start = group_start.contiguous();
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [S, max_blocks]");
+  const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(query_start.numel() == S + 1 && start_pos.numel() == S && seq_order.numel() == S,
+              "query_start [S + 1], start_pos [S] and seq_order [S] must match the block tables");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* sp = start_pos.data_ptr<int64_t>();
+  const int64_t* tb = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[S] == T, "query_start must run from 0 to the number of rows");
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(qs[s + 1] >= qs[s] && sp[s] >= 0, "query_start must not decrease; start_pos must be >= 0");
+    if (qs[s + 1] == qs[s]) continue;
+    const int64_t last = sp[s] + qs[s + 1] - qs[s] - 1;
+    TORCH_CHECK(last < max_blocks * bs, "context length outside the block table");
+    for (int64_t b = 0; b <= last / bs; ++b)
+      TORCH_CHECK(tb[s * max_blocks + b] >= 0 && tb[s * max_blocks + b] < NB, "block table names a block outside the KV pool");
+  }
+  const int64_t G = group_start.numel() - 1;
+  const int64_t* order = seq_order.data_ptr<int64_t>();
+  const int64_t* gs = group_start.data_ptr<int64_t>();
+  TORCH_CHECK(G >= 0 && gs[0] == 0 && gs[G] == S, "group_start must run from 0 to the number of sequences");
+  std::vector<char> seen(S, 0);
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(order[i] >= 0 && order[i] < S && !seen[order[i]], "seq_order must list every sequence once");
+    seen[order[i]] = 1;
+  }
+
+  auto out = torch::empty({T, H, D}, q.options());
+  const int64_t rep = H / KVH;
+  // q-vectors per group (the same for every KV head: head = kv_head * rep + k)
+  std::vector<std::vector<QVec>> group_qv(G);
+  int64_t total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(gs[g + 1] >= gs[g], "group_start must not decrease");
+    for (int64_t i = gs[g]; i < gs[g + 1]; ++i) {
+      const int64_t s = order[i];
+      for (int64_t t = qs[s]; t < qs[s + 1]; ++t)
+        for (int64_t k = 0; k < rep; ++k) group_qv[g].push_back({t, k, s, sp[s] + t - qs[s]});
+    }
+    total += static_cast<int64_t>(group_qv[g].size());
+  }
+  if (total == 0) return out;
+  const int threads = std::max(1, at::get_num_threads());
+  // Item size: up to kMaxItemRows, smaller when that would leave threads idle (work per row is unchanged).
+  const int64_t want_items = 4 * threads;
+  const int64_t rows_per_item = std::clamp<int64_t>((total * KVH + want_items - 1) / want_items, 1, kMaxItemRows);
+  std::vector<Item> items;
+  for (int64_t g = 0; g < G; ++g) {
+    const auto& list = group_qv[g];
+    for (int64_t b = 0; b < static_cast<int64_t>(list.size()); b += rows_per_item) {
+      const int64_t e = std::min<int64_t>(b + rows_per_item, list.size());
+      double cost = 0, max_pos = 0;
+      for (int64_t i = b; i < e; ++i) {
+        cost += static_cast<double>(list[i].pos / kTile + 1);
+        max_pos = std::max<double>(max_pos, list[i].pos);
+      }
+      cost += 2.0 * (max_pos / kTile + 1);  // the tiles' walk (block lookups, a gather for small blocks)
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({b, e, h, g, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  const Ctx ctx{bits(q), q.stride(0), bits(k_cache), bits(v_cache), mutable_bits(out), tb, max_blocks, H, KVH, D, bs,
+                static_cast<float>(scale)};
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto st = std::make_unique<Scratch>();
+    std::vector<QVec> local(kMaxItemRows);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const auto& list = group_qv[it.group];
+      const int64_t n = it.end - it.begin;
+      for (int64_t r = 0; r < n; ++r) {
+        local[r] = list[it.begin + r];
+        local[r].head += it.kv_head * rep;
+      }
+      run_item(ctx, *st, local.data(), n, it.kv_head);
+    }
+  });
+  return out;
+}
+
+// Each new token's K and V into its slot, in paged_attention_bf16's layout within each block: K as
+// [KVH][D][block_size] (a key's dims block_size apart), V as [KVH][block_size][D] (a key's row).
+// k, v [T, KVH, D] may be views into the fused qkv projection (rows strided, heads contiguous).
+void store_kv_paged_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor slot_mapping) {
+  check_store_args(k, v, k_cache, v_cache, slot_mapping);
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(1), block = bs * KVH * D;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const uint16_t *kp = bits(k), *vp = bits(v);
+  uint16_t *kc = mutable_bits(k_cache), *vc = mutable_bits(v_cache);
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t b = slots[t] / bs, o = slots[t] % bs;
+      for (int64_t h = 0; h < KVH; ++h) {
+        uint16_t* kd = kc + b * block + h * D * bs + o;
+        const uint16_t* krow = kp + t * ks + h * D;
+        for (int64_t d = 0; d < D; ++d) kd[d * bs] = krow[d];
+        std::memcpy(vc + b * block + (h * bs + o) * D, vp + t * vs + h * D, D * sizeof(uint16_t));
+      }
+    }
+  });
+}
+
+// Each new token's K and V rows into its slot of plain [blocks, block_size, KVH, D] caches (slot -1:
+// skip); k, v [T, KVH, D] may be strided views. Why: torch's index_copy_ on those views cost ~100 us
+// a layer at decode batch 32; this is a few row copies.
+void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slot_mapping) {
+  check_store_args(k, v, k_cache, v_cache, slot_mapping);
+  const int64_t T = k.size(0), width = k.size(1) * k.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const uint16_t *kp = bits(k), *vp = bits(v);
+  uint16_t *kc = mutable_bits(k_cache), *vc = mutable_bits(v_cache);
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(kc + slots[t] * width, kp + t * ks, width * sizeof(uint16_t));
+    std::memcpy(vc + slots[t] * width, vp + t * vs, width * sizeof(uint16_t));
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
+  m.def("store_kv_paged_bf16", &store_kv_paged_bf16, "new tokens' K/V into their slots, in paged_attention_bf16's layout");
+  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache");
+}

@@ -1,0 +1,205 @@
+// Fused elementwise ops of a decoder layer for bf16 activations, written once over csrc/vec.h and
+// compiled per kernel tier (issue #30: AVX2 and AVX512 without BF16; csrc/cpu_fused.cpp is the
+// hand-written AVX512-BF16 version, and these keep its functions and semantics).
+//
+// Why: at decode batch sizes each torch elementwise op is a few microseconds of work behind tens of
+// microseconds of dispatch and OpenMP wake-up; one pass each here, computed in fp32 and rounded to
+// bf16 once (store_bf16: round to nearest even, as torch rounds).
+//
+// How: kLanes values at a time, then one partial vector for any tail (load_bf16_n: the missing
+// lanes read as 0, which add nothing to a sum of squares), so every width is accepted. A row's
+// reductions run in one fixed order (one fma chain over the lanes' columns, then hsum's fixed
+// tree) and rows never interact, so a row's bits do not depend on the other rows of the call or on
+// how the rows are split over threads.
+//
+// huge_page_zeros and release_free_memory are not ISA-specific; they are here so a tiered build
+// offers everything the engine takes from the AVX512-BF16 extension besides the matmul and attention.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <malloc.h>
+#include <sys/mman.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace {
+
+// Rows run serially below this many (an OpenMP region costs more than the work).
+constexpr int64_t kSerialRows = 64;
+
+using bf16 = uint16_t;  // raw bf16 bits: vec.h loads and stores them
+
+const bf16* bits(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()); }
+bf16* mutable_bits(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
+
+// n = min(kLanes, left) values of p widened (a partial vector at a row's tail).
+CS_INLINE cs::VF load_part(const bf16* p, int64_t left) {
+  return left >= cs::kLanes ? cs::load_bf16(p) : cs::load_bf16_n(p, static_cast<int>(left));
+}
+CS_INLINE void store_part(bf16* p, cs::VF v, int64_t left) {
+  if (left >= cs::kLanes) {
+    cs::store_bf16(p, v);
+  } else {
+    cs::store_bf16_n(p, v, static_cast<int>(left));
+  }
+}
+
+// out = row / rms(row) * w: the sum of squares as one fma chain per lane over the row's vectors
+// (the tail vector last), the lanes added in hsum's tree; then (v * r) * w, rounded once.
+void rms_norm_row(const bf16* row, const bf16* w, bf16* out, int64_t D, float eps) {
+  cs::VF ss = cs::zero();
+  for (int64_t d = 0; d < D; d += cs::kLanes) {
+    const cs::VF v = load_part(row + d, D - d);
+    ss = cs::fma(v, v, ss);
+  }
+  const float r = 1.0f / std::sqrt(cs::hsum(ss) / static_cast<float>(D) + eps);
+  const cs::VF rv = cs::set1(r);
+  for (int64_t d = 0; d < D; d += cs::kLanes)
+    store_part(out + d, cs::mul(cs::mul(load_part(row + d, D - d), rv), load_part(w + d, D - d)), D - d);
+}
+
+}  // namespace
+
+// RMSNorm over the last dim of a bf16 [M, D] tensor (any D).
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "shape mismatch");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), D = x.size(1);
+  auto y = torch::empty_like(x);
+  const bf16* xp = bits(x);
+  const bf16* wp = bits(w);
+  bf16* yp = mutable_bits(y);
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) rms_norm_row(xp + m * D, wp, yp + m * D, D, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// The residual stream's add and the next RMSNorm: residual += x (rounded to bf16, as torch's add
+// does: the fp32 sum of two bf16 values, rounded to nearest even), returns rmsnorm(residual) * w.
+torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && residual.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && w.dim() == 1 && w.size(0) == x.size(1),
+              "x, residual [M, D]; w [D]");
+  TORCH_CHECK(residual.is_contiguous(), "residual is updated in place and must be contiguous");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), D = x.size(1);
+  auto y = torch::empty_like(x);
+  const bf16* xp = bits(x);
+  const bf16* wp = bits(w);
+  bf16* rp = mutable_bits(residual);
+  bf16* yp = mutable_bits(y);
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      bf16* r = rp + m * D;
+      const bf16* xr = xp + m * D;
+      for (int64_t d = 0; d < D; d += cs::kLanes)
+        store_part(r + d, cs::add(load_part(r + d, D - d), load_part(xr + d, D - d)), D - d);
+      rms_norm_row(r, wp, yp + m * D, D, static_cast<float>(eps));
+    }
+  });
+  return y;
+}
+
+// x [M, 2I] = [gate | up] -> silu(gate) * up, [M, I] (any I).
+torch::Tensor silu_mul_bf16(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 2 == 0, "bf16 [M, 2I]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), I = x.size(1) / 2;
+  auto y = torch::empty({M, I}, x.options());
+  const bf16* xp = bits(x);
+  bf16* yp = mutable_bits(y);
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    const cs::VF one = cs::set1(1.0f);
+    for (int64_t m = m0; m < m1; ++m) {
+      const bf16* gate = xp + m * 2 * I;
+      const bf16* up = gate + I;
+      for (int64_t i = 0; i < I; i += cs::kLanes) {
+        const cs::VF g = load_part(gate + i, I - i);
+        // silu(g) = g / (1 + e^-g); exp wants x <= 0, so use e^-|g| and flip for g < 0
+        const cs::VF e = cs::exp(cs::sub(cs::zero(), cs::abs(g)));  // e^-|g| in (0, 1]
+        const cs::VF sig_pos = cs::div(one, cs::add(one, e));       // sigmoid(|g|)
+        const cs::VF sig = cs::select_lt(g, cs::zero(), cs::sub(one, sig_pos), sig_pos);  // sigmoid(g)
+        store_part(yp + m * I + i, cs::mul(cs::mul(g, sig), load_part(up + i, I - i)), I - i);
+      }
+    }
+  });
+  return y;
+}
+
+// Rotate-half rotary embedding, in place, on the first `num_heads` heads of each row of `x`
+// ([T, >= num_heads * D], rows may be strided, e.g. the q|k part of a fused qkv projection).
+// cos, sin: bf16 [T, D] (or [T, 1, D]) for each row's position, as the torch path rounds them.
+// Any even head_dim.
+void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "bf16 [T, W] with unit column stride");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && num_heads >= 0 && x.size(1) >= num_heads * head_dim,
+              "head_dim must be even and num_heads * head_dim fit in a row");
+  const int64_t T = x.size(0), D = head_dim, half = D / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "bf16 cos/sin");
+  auto c = cos.reshape({T, D}).contiguous();
+  auto s = sin.reshape({T, D}).contiguous();
+  bf16* xp = mutable_bits(x);
+  const int64_t row_stride = x.stride(0);
+  const bf16* cp = bits(c);
+  const bf16* sp = bits(s);
+  at::parallel_for(0, T, kSerialRows, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const bf16* ct = cp + t * D;
+      const bf16* st = sp + t * D;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        bf16* v = xp + t * row_stride + h * D;
+        for (int64_t i = 0; i < half; i += cs::kLanes) {
+          const int64_t left = half - i;
+          const cs::VF a = load_part(v + i, left);         // first half
+          const cs::VF b = load_part(v + half + i, left);  // second half
+          // out[:half] = a cos - b sin; out[half:] = b cos + a sin (rotate_half = [-b, a])
+          const cs::VF lo = cs::fmsub(a, load_part(ct + i, left), cs::mul(b, load_part(st + i, left)));
+          const cs::VF hi = cs::fma(b, load_part(ct + half + i, left), cs::mul(a, load_part(st + half + i, left)));
+          store_part(v + i, lo, left);
+          store_part(v + half + i, hi, left);
+        }
+      }
+    }
+  });
+}
+
+// A zero-filled bf16 tensor of `numel` values in its own mapping, 2 MiB aligned and advised for
+// transparent huge pages (as csrc/amx_gemm.cpp's). Why: the decode matmuls stream every weight once
+// per step, and with 4 KiB pages that stream takes a TLB miss every 4 KiB. Where the kernel offers
+// no huge pages the advice is a no-op and this is plain anonymous memory.
+torch::Tensor huge_page_zeros(int64_t numel) {
+  TORCH_CHECK(numel > 0, "numel must be positive");
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t len = (static_cast<size_t>(numel) * sizeof(at::BFloat16) + kHuge - 1) / kHuge * kHuge;
+  void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "mmap of ", len, " bytes failed");
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+  if (aligned > start) munmap(raw, aligned - start);  // trim to the aligned range
+  const size_t tail = (start + len + kHuge) - (aligned + len);
+  if (tail > 0) munmap(reinterpret_cast<void*>(aligned + len), tail);
+  void* p = reinterpret_cast<void*>(aligned);
+  madvise(p, len, MADV_HUGEPAGE);  // advice only: failure leaves ordinary pages
+  return torch::from_blob(p, {numel}, [len](void* q) { munmap(q, len); }, torch::dtype(at::kBFloat16));
+}
+
+// Hands freed heap memory back to the OS (glibc keeps freed heap pages): called once the plain
+// weights have been replaced by their packed copies in the arena.
+void release_free_memory() { malloc_trim(0); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");
+  m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
+  m.def("huge_page_zeros", &huge_page_zeros, "zeroed bf16 memory advised for transparent huge pages");
+  m.def("release_free_memory", &release_free_memory, "malloc_trim: return freed heap pages to the OS");
+  m.def("lanes", [] { return cs::kLanes; }, "fp32 lanes of this build's vectors");
+}

@@ -39,9 +39,9 @@ def pytest_sessionstart(session) -> None:
 
 
 def _kernel_tiers() -> list[str]:
-    from chatserve.kernels.tiers import supported_tiers
+    from chatserve.kernels.tiers import tested_tiers
 
-    return [t.name for t in supported_tiers()]
+    return [t.name for t in tested_tiers()]
 
 
 # Every kernel tier this CPU runs, best first: the host's own and each lower one it can be forced to

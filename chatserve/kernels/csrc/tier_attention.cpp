@@ -49,7 +49,10 @@ constexpr int64_t kTile = 16;                    // key positions per online-sof
 constexpr int kTV = kTile / kLanes;              // vectors per tile: 2 (AVX2), 1 (AVX512)
 constexpr int kMaxItemRows = 48;                 // q-vectors per work item
 constexpr int kChunk = 12 / kTV;                 // rows scored together: 12 accumulators (AVX2 has 16 registers)
-constexpr int kPairRows = kChunk / 2;            // up to this many rows score two tiles at once
+#ifndef PAIRROWS
+#define PAIRROWS kChunk / 2
+#endif
+constexpr int kPairRows = PAIRROWS;            // up to this many rows score two tiles at once
 constexpr int kPvRows = kLanes == 8 ? 2 : 4;     // rows whose weighted sums share V loads
 constexpr int64_t kMaxHeadDim = 256;
 static_assert(kTile % kLanes == 0, "a tile is whole vectors");

@@ -240,12 +240,12 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][k
 
 // N rows reading the same NT consecutive tiles (from key0): scores of all, then the steps in order.
 template <int N, int NT>
-void step(const Ctx& c, Scratch& st, const Tile* t, const QVec* qv, const int* rows, int64_t key0) {
+__attribute__((noinline)) void step(const Ctx& c, Scratch& st, const Tile* t, const QVec* qv, const int* rows, int64_t key0) {
   const float* q[N];
   for (int n = 0; n < N; ++n) q[n] = st.q + rows[n] * c.head_dim;
   VF s[NT][N][kTV];
   tile_scores<N, NT>(t, q, c.head_dim, s);
-  for (int u = 0; u < NT; ++u) softmax_pv<N>(c, st, t[u], s[u], qv, rows, key0 + u * kTile);
+  _Pragma("GCC unroll 2") for (int u = 0; u < NT; ++u) softmax_pv<N>(c, st, t[u], s[u], qv, rows, key0 + u * kTile);
 }
 
 // n rows (n <= N) in one step of up to N rows over nt (1, or 2 for n <= kPairRows) tiles

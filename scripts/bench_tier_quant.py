@@ -2,7 +2,7 @@
 """The tiered quantized matmul (csrc/tier_quant.cpp, issue #30) on this CPU: per SmolLM2-135M shape,
 format and row count, beside torch's fp32 F.linear; then one pass over the whole model's weights.
 
-    python scripts/bench_tier_quant.py                          # the best tier, 2 threads
+    python scripts/bench_tier_quant.py                          # the best tier this CPU runs, 2 threads
     python scripts/bench_tier_quant.py --tier avx2 --types Q4_1 --rows 1,1000 --no-sweep
 
 Why these numbers: decode (M = 1) should stream the packed weights near the memory's rate (GB/s of
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatserve.kernels.cpu_quant import BLOCK_VALUES, QTYPE_INT8_CHANNEL, load_quant_kernels  # noqa: E402
+from chatserve.kernels.tiers import supported_tiers  # noqa: E402
 
 # SmolLM2-135M: qkv (q 576 + k, v 192 each), k or v alone, o, gate|up fused, down, the tied lm_head
 SHAPES = [(960, 576), (192, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -128,7 +129,8 @@ def sweep(quant, rows: list[int], repeats: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tier", default="auto")
+    best = supported_tiers()
+    ap.add_argument("--tier", default=best[0].name if best else "auto", help="default: the best tier this CPU runs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q6_K,INT8")
     ap.add_argument("--rows", default="1,32,1000")

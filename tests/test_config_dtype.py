@@ -20,10 +20,9 @@ def test_auto_dtype_follows_the_hardware(monkeypatch, native, kernels, device, e
     assert config.resolve_dtype("auto", torch.device(device), cpu_kernels=kernels) == expected
 
 
-def test_kernel_tier_choices_are_checked(monkeypatch):
+def test_kernel_tier_choices_are_checked():
     from chatserve.kernels.tiers import select_tier
 
-    monkeypatch.setenv("CHATSERVE_TIERED_KERNELS", "1")  # auto may pick the tiered builds too
     with pytest.raises(ValueError, match="cpu_kernel_tier must be one of"):
         config.EngineArgs(cpu_kernel_tier="sse4")
     with pytest.raises(ValueError, match="cpu_kernels is off"):
@@ -35,8 +34,6 @@ def test_kernel_tier_choices_are_checked(monkeypatch):
     assert select_tier("auto", zen4).name == "avx512_bf16"
     assert select_tier("avx2", zen4).name == "avx2"  # a lower tier can be forced
     assert select_tier("auto", frozenset({"sse4_2"})) is None  # no AVX2: torch ops
-    monkeypatch.delenv("CHATSERVE_TIERED_KERNELS")
-    assert select_tier("auto", avx2_only) is None  # by default auto picks AVX512-BF16 only (issue #30 open)
     assert select_tier("avx2", avx2_only).name == "avx2"  # forcing works
     with pytest.raises(ValueError, match="avx512_vnni.*lacks: avx512_vnni, avx512bw, avx512dq, avx512f, avx512vl"):
         select_tier("avx512_vnni", avx2_only)

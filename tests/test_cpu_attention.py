@@ -1,15 +1,44 @@
-"""The C++ paged attention kernel (csrc/cpu_attention.cpp) and its backend: against the torch
-reference, and one row's bits the same however the row is scheduled (issue 20): alone as a decode,
-inside a long prefill, in a chunk over cached keys, in a cascade group sharing a prefix."""
+"""The C++ paged attention kernels and their backend: against the torch reference, and one row's
+bits the same however the row is scheduled (issue 20): alone as a decode, inside a long prefill, in
+a chunk over cached keys, in a cascade group sharing a prefix, with any block size.
+
+Every test runs once per kernel: the AVX512-BF16 one (csrc/cpu_attention.cpp, skipped on CPUs
+without AVX512-BF16) and the tiered one (csrc/tier_attention.cpp over csrc/vec.h) of each tiered
+tier this CPU runs (issue #30), built on its own (kernels/tiers.py build_tier_family)."""
 
 from __future__ import annotations
+
+import subprocess
+import sysconfig
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from chatserve.attention.base import BatchLayout, slots_of
 from chatserve.attention.cpu_backend import CpuPagedAttentionBackend, group_sequences
+from chatserve.kernels.build import COMMON_CFLAGS, CSRC, build_root, sources_hash
 from chatserve.kernels.reference import paged_extend_attention
+from chatserve.kernels.tiers import TIERS, build_tier_family, cpu_flags, supported_tiers, tier_source
+
+TIERED = [t.name for t in supported_tiers() if t.tiered]
+
+
+@pytest.fixture(scope="module", params=["avx512_bf16", *TIERED])
+def kernels(request):
+    """The attention kernels of one tier: paged_attention, store_kv_paged, store_kv (and tier)."""
+    if request.param == "avx512_bf16":
+        from chatserve.kernels.cpu import cpu_has_avx512_bf16, load_cpu_kernels
+
+        k = load_cpu_kernels(tier="avx512_bf16") if cpu_has_avx512_bf16() else None
+        if k is None:
+            pytest.skip("no AVX512-BF16 CPU or no compiler: the engine uses torch ops instead")
+        return k
+    ext = build_tier_family("attention", TIERS[request.param])
+    if ext is None:
+        pytest.skip(f"the {request.param} attention kernel could not be built here (no compiler?)")
+    return SimpleNamespace(tier=request.param, paged_attention=ext.paged_attention_bf16,
+                           store_kv_paged=ext.store_kv_paged_bf16, store_kv=ext.store_kv_bf16)
 
 
 def _i64(values) -> torch.Tensor:
@@ -184,3 +213,49 @@ def test_paged_attention_refuses_bad_input(kernels):
                groups=[[0, 0]])
     with pytest.raises(RuntimeError, match="query_start"):
         kernels.paged_attention(q, k_cache, k_cache, _i64([[1]]), _i64([0, 2]), _i64([0]), _i64([0]), _i64([0, 1]), 0.1)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+def test_every_block_size_gives_the_bits_of_a_cold_prefill_cached_or_decoded(kernels, block_size):
+    """A 150-token prompt at one block size: its rows attended cold in one call, as a 50-token chunk
+    over a 100-token cached prefix, its last row as a decode, and the prompt in a batch beside a
+    decode and another prompt: bit-identical rows, close to the fp32 reference. And the same keys
+    and values stored at block size 16 give the same bits (tiles are 16 keys whatever the block)."""
+    seqs = [(0, 150)]
+    q, k_cache, v_cache, tables = _setup(9, 3, 64, block_size, seqs, seed=block_size)
+    cold = attend(kernels, q, k_cache, v_cache, tables, seqs)
+    torch.testing.assert_close(cold.float(), reference(q, k_cache, v_cache, tables, seqs), atol=1.5e-2, rtol=1e-2)
+    assert torch.equal(attend(kernels, q[100:], k_cache, v_cache, tables, [(100, 50)]), cold[100:])
+    assert torch.equal(attend(kernels, q[149:], k_cache, v_cache, tables, [(149, 1)]), cold[149:])
+    others = torch.randn(1 + 30, 9, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    batch = attend(kernels, torch.cat([others[:1], q, others[1:]]), k_cache, v_cache,
+                   [tables[0][::-1], tables[0], tables[0][1:] + tables[0][:1]], [(70, 1), (0, 150), (3, 30)])
+    assert torch.equal(batch[1:151], cold)
+    # the same K/V sequence in blocks of 16 (block i of 16 keys at block i of a fresh cache)
+    keys = torch.cat([k_cache[b] for b in tables[0]])[:150]
+    values = torch.cat([v_cache[b] for b in tables[0]])[:150]
+    k16, v16 = torch.zeros(10, 16, 3, 64, dtype=torch.bfloat16), torch.zeros(10, 16, 3, 64, dtype=torch.bfloat16)
+    k16.view(160, 3, 64)[:150], v16.view(160, 3, 64)[:150] = keys, values
+    assert torch.equal(attend(kernels, q, k16, v16, [list(range(10))], seqs), cold)
+
+
+def test_the_avx512_instantiation_of_the_tiered_kernel_compiles():
+    """csrc/tier_attention.cpp compiles for the AVX512-VNNI tier on any x86 host, even where that
+    tier cannot run (there the kernel tests above cover it); the object is cached per source hash."""
+    tier = TIERS["avx512_vnni"]
+    if set(tier.cpu_flags) <= cpu_flags():
+        pytest.skip("this CPU runs the AVX512-VNNI tier: the kernel tests build and run it")
+    from torch.utils.cpp_extension import include_paths
+
+    source, headers = tier_source("attention"), [CSRC / "vec.h"]
+    flags = [*COMMON_CFLAGS, *tier.cflags]
+    obj = build_root() / f"compile_check_attention_{tier.name}_{sources_hash([source, *headers], flags)}.o"
+    if obj.exists():
+        return
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in (str(CSRC), *include_paths(), sysconfig.get_paths()["include"])]
+    cmd = ["c++", "-std=c++20", "-fPIC", *flags, *includes, "-DTORCH_EXTENSION_NAME=compile_check",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", "-c", str(source), "-o", f"{obj}.tmp"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (obj.parent / f"{obj.name}.tmp").rename(obj)

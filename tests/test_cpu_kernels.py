@@ -1,5 +1,7 @@
 """The C++ CPU kernels (bf16 matmuls, AMX tile matmul, RMSNorm; attention: test_cpu_attention.py) against
-torch, the bounded matmul shapes, and the KV pool's zero-on-first-use."""
+torch, the bounded matmul shapes, and the KV pool's zero-on-first-use; and the fused ops of each
+tiered build (csrc/tier_fused.cpp, issue #30) on every width, bit for bit the same per row at any
+batch and thread count."""
 
 from __future__ import annotations
 
@@ -8,8 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from chatserve import LLM, SamplingParams
+from chatserve.kernels import tiers
 from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
+from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
 from chatserve.layers.linear import kernel_linear, onednn_linear, onednn_pack, packed_linear_available, power_of_two_pieces
+
+from .helpers.tier_compile import compile_tier_object
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +77,8 @@ def test_amx_packed_rows_give_back_the_exact_weight_rows(amx, shape):
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 70)])  # model shapes and a ragged K tail
 def test_gemv_matches_float_matmul(kernels, shape):
+    if kernels.gemv is None:
+        pytest.skip(f"the older dot-product kernel is AVX512-BF16's only (these are {kernels.tier}'s)")
     torch.manual_seed(0)
     n, k = shape
     w = torch.randn(n, k).to(torch.bfloat16)
@@ -86,12 +94,17 @@ def test_gemv_matches_float_matmul(kernels, shape):
 
 
 def test_rms_norm_matches_torch(kernels):
+    check_rms_norm(kernels.rms_norm)
+
+
+# 100: the tail after 16-wide steps; 70 rows: parallel
+def check_rms_norm(rms_norm, shapes=((37, 576), (3, 100), (70, 64))) -> None:
     torch.manual_seed(1)
-    for m, d in ((37, 576), (3, 100), (70, 64)):  # 100: the scalar tail after 16-wide steps; 70 rows: parallel
+    for m, d in shapes:
         x = (torch.randn(m, d) * 3).to(torch.bfloat16)
         w = (torch.rand(d) + 0.5).to(torch.bfloat16)
         ref = F.rms_norm(x.float(), (d,), w.float(), 1e-5)
-        torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=8e-3)
+        torch.testing.assert_close(rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=8e-3)
 
 
 def test_unwritten_pool_memory_never_leaks_into_attention(tiny_checkpoint):
@@ -123,6 +136,8 @@ def test_power_of_two_pieces_cover_rows_with_few_shapes():
 
 @pytest.mark.parametrize("m", [9, 40, 64, 65, 100, 129, 300])
 def test_kernel_linear_matches_float_matmul_at_every_size(kernels, m):
+    if kernels.gemv is None:
+        pytest.skip(f"the older dot-product kernel is AVX512-BF16's only (these are {kernels.tier}'s)")
     torch.manual_seed(m)
     w = (torch.randn(200, 96) * 0.1).to(torch.bfloat16)
     b = torch.randn(200).to(torch.bfloat16)
@@ -148,41 +163,56 @@ def test_packed_linear_in_pieces_matches_float_matmul():
 
 
 def test_silu_mul_matches_torch(kernels):
+    check_silu_mul(kernels.silu_mul)
+
+
+def check_silu_mul(silu_mul, widths=(1536,)) -> None:
     torch.manual_seed(5)
-    for m in (1, 7, 100):
-        x = (torch.randn(m, 2 * 1536) * 4).to(torch.bfloat16)
-        x[0, :4] = torch.tensor([0.0, -30.0, 30.0, -0.001])  # saturated and tiny gates
-        ref = F.silu(x[:, :1536].float()) * x[:, 1536:].float()
-        torch.testing.assert_close(kernels.silu_mul(x).float(), ref, atol=1e-2, rtol=1e-2)
+    for i in widths:
+        for m in (1, 7, 100):
+            x = (torch.randn(m, 2 * i) * 4).to(torch.bfloat16)
+            x[0, : min(4, i)] = torch.tensor([0.0, -30.0, 30.0, -0.001])[: min(4, i)]  # saturated and tiny gates
+            ref = F.silu(x[:, :i].float()) * x[:, i:].float()
+            torch.testing.assert_close(silu_mul(x).float(), ref, atol=1e-2, rtol=1e-2)
 
 
 def test_add_rms_norm_updates_residual_and_matches_torch(kernels):
+    check_add_rms_norm(kernels.add_rms_norm)
+
+
+def check_add_rms_norm(add_rms_norm, dims=(576,)) -> None:
     torch.manual_seed(7)
-    for m in (1, 9, 64, 100):
-        x = torch.randn(m, 576).to(torch.bfloat16)
-        residual = (torch.randn(m, 576) * 3).to(torch.bfloat16)
-        w = (torch.rand(576) + 0.5).to(torch.bfloat16)
-        summed = residual + x
-        out = kernels.add_rms_norm(x, residual, w, 1e-5)
-        assert torch.equal(residual, summed)  # updated in place, rounded as torch's add rounds
-        ref = F.rms_norm(summed.float(), (576,), w.float(), 1e-5)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+    for d in dims:
+        for m in (1, 9, 64, 100):
+            x = torch.randn(m, d).to(torch.bfloat16)
+            residual = (torch.randn(m, d) * 3).to(torch.bfloat16)
+            w = (torch.rand(d) + 0.5).to(torch.bfloat16)
+            summed = residual + x
+            out = add_rms_norm(x, residual, w, 1e-5)
+            assert torch.equal(residual, summed)  # updated in place, rounded as torch's add rounds
+            ref = F.rms_norm(summed.float(), (d,), w.float(), 1e-5)
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
 
 
 def test_rope_inplace_matches_apply_rotary_on_strided_rows(kernels):
+    check_rope_inplace(kernels.rope_inplace)
+
+
+def check_rope_inplace(rope_inplace, head_dims=(64,)) -> None:
     from chatserve.layers.rotary import apply_rotary
 
     torch.manual_seed(6)
-    t, heads, kv_heads, d = 70, 9, 3, 64
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
-    angles = torch.randn(t, 1, d // 2).repeat(1, 1, 2) * 3
-    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
-    ref = apply_rotary(qk.float(), cos.float(), sin.float())
-    v_before = qkv[:, (heads + kv_heads) * d :].clone()
-    kernels.rope_inplace(qkv, cos, sin, heads + kv_heads, d)
-    torch.testing.assert_close(qk.float(), ref, atol=2e-2, rtol=1e-2)
-    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
+    for d in head_dims:
+        t, heads, kv_heads = 70, 9, 3
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
+        angles = torch.randn(t, 1, d // 2).repeat(1, 1, 2) * 3
+        cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+        qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+        ref = apply_rotary(qk.float(), cos.float(), sin.float())
+        v_before = qkv[:, (heads + kv_heads) * d :].clone()
+        rope_inplace(qkv, cos, sin, heads + kv_heads, d)
+        torch.testing.assert_close(qk.float(), ref, atol=2e-2, rtol=1e-2)
+        assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("matmul", ["amx", "avx512"])
@@ -259,3 +289,106 @@ def test_store_kv_kernel_matches_reference_and_refuses_bad_slots(kernels):
     for bad in (80, -2):
         with pytest.raises(RuntimeError, match="outside the KV pool"):
             kernels.store_kv(k[:1], v[:1], k_cache, v_cache, torch.tensor([bad]))
+
+
+# ------------------------------------------------------------------ tiered fused ops (csrc/tier_fused.cpp)
+FUSED_TIERS = [t.name for t in tiers.tested_tiers() if t.tiered]
+
+
+@pytest.fixture(scope="module", params=FUSED_TIERS or ["none"])
+def fused(request):
+    """A tier's fused-op extension, built on its own (no attention or matmul needed)."""
+    if request.param == "none":
+        pytest.skip("no tiered kernel tier tested here (AVX2 or better)")
+    ext = build_tier_family("fused", TIERS[request.param])
+    if ext is None:
+        pytest.skip(f"csrc/tier_fused.cpp did not build for {request.param} (no compiler?)")
+    assert ext.lanes() == TIERS[request.param].lanes
+    return ext
+
+
+def test_tier_fused_ops_match_torch_at_every_width(fused):
+    """The checks above, and widths the AVX512-BF16 kernels refuse: any D (tails of 1..lanes-1), any
+    intermediate size, any even head_dim (a tail in each half)."""
+    check_rms_norm(fused.rms_norm_bf16, ((37, 576), (3, 100), (70, 64), (5, 7), (4, 1), (65, 1537)))
+    check_add_rms_norm(fused.add_rms_norm_bf16, (576, 100, 7, 1))
+    check_silu_mul(fused.silu_mul_bf16, (1536, 13, 8, 1))
+    check_rope_inplace(fused.rope_inplace_bf16, (64, 128, 32, 16, 10, 2))
+
+
+def test_tier_fused_rows_are_the_same_bits_at_any_batch_and_thread_count(fused):
+    """Each row's reductions run in one fixed order: a row alone, in a batch of 200 (threaded above 64
+    rows) and at 1 or 2 threads gives one result."""
+    gen = torch.Generator().manual_seed(3)
+    m, d = 200, 584  # 584: a tail after 8- and 16-wide steps
+    x = (torch.randn(m, d, generator=gen) * 3).to(torch.bfloat16)
+    residual = torch.randn(m, d, generator=gen).to(torch.bfloat16)
+    w = (torch.rand(d, generator=gen) + 0.5).to(torch.bfloat16)
+    gate_up = (torch.randn(m, 2 * d, generator=gen) * 4).to(torch.bfloat16)
+    angles = torch.randn(m, 1, 32, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+
+    def run(rows: slice) -> list[torch.Tensor]:
+        r = residual[rows].clone()
+        qk = x[rows].clone()
+        fused.rope_inplace_bf16(qk, cos[rows], sin[rows], d // 64, 64)
+        return [fused.rms_norm_bf16(x[rows], w, 1e-5), fused.add_rms_norm_bf16(x[rows], r, w, 1e-5), r,
+                fused.silu_mul_bf16(gate_up[rows]), qk]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = run(slice(0, m))
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for got, want in zip(run(slice(0, m)), ref):
+                assert torch.equal(got, want), threads
+            for i in (0, 63, 64, 65, 199):
+                for got, want in zip(run(slice(i, i + 1)), ref):
+                    assert torch.equal(got, want[i : i + 1]), (threads, i)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_tier_fused_rounds_to_nearest_even_and_keeps_nan(fused):
+    """residual += x is the fp32 sum rounded to nearest even (ties included); a NaN gate or input
+    comes out as the quiet NaN 0x7FC0 (vec.h's store_bf16)."""
+    one = 1.0
+    x = torch.tensor([[2.0**-8, 3 * 2.0**-8, 2.0**-9, float("nan")] * 4]).to(torch.bfloat16)
+    residual = torch.tensor([[one, one, one, one] * 4]).to(torch.bfloat16)
+    expect = torch.tensor([[1.0, 1.0 + 2.0**-6, 1.0, float("nan")] * 4]).to(torch.bfloat16)  # ties: to even
+    fused.add_rms_norm_bf16(x, residual, torch.ones(16, dtype=torch.bfloat16), 1e-5)
+    finite = ~expect.isnan()
+    assert torch.equal(residual[finite], expect[finite])
+    assert bool((residual[~finite].view(torch.int16) == 0x7FC0).all())
+    gate_up = torch.tensor([[float("nan"), 1.0, float("inf"), -float("inf"), 2.0, 2.0, 2.0, float("nan")]]).to(torch.bfloat16)
+    out = fused.silu_mul_bf16(gate_up)  # gates nan, 1, inf, -inf; ups 2, 2, 2, nan
+    assert int(out.view(torch.int16)[0, 0]) == 0x7FC0 and float(out[0, 2]) == float("inf")
+    assert int(out.view(torch.int16)[0, 3]) == 0x7FC0  # a NaN up
+
+
+def test_tier_huge_page_zeros_and_release(fused):
+    buf = fused.huge_page_zeros(3 * 2**20 + 5)
+    assert buf.dtype == torch.bfloat16 and buf.numel() == 3 * 2**20 + 5 and not buf.any()
+    assert buf.data_ptr() % (2 << 20) == 0  # 2 MiB aligned, for transparent huge pages
+    buf[-1] = 1.0  # writable to the last element
+    fused.release_free_memory()
+    with pytest.raises(RuntimeError, match="positive"):
+        fused.huge_page_zeros(0)
+
+
+# the tiers whose vec.h section no tier of this CPU runs (AVX512 on an AVX2 host): compiled, not run
+UNRUNNABLE_TIERS = [t.name for t in TIERS.values() if t.tiered and not any(
+    set(t.cflags) & {"-DCHATSERVE_TIER_AVX2", "-DCHATSERVE_TIER_AVX512"} <= set(s.cflags) for s in supported_tiers() if s.tiered)]
+
+
+# slow: ~50 s a tier on 2 cores (torch/extension.h alone), so `make test-all` runs it; a host of that
+# width runs the tier itself in the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", UNRUNNABLE_TIERS)
+def test_tier_fused_compiles_for_tiers_this_cpu_cannot_run(tier, tmp_path):
+    """tier_fused.cpp for a vector width this CPU lacks still compiles (not loaded: SIGILL here)."""
+    result = compile_tier_object("fused", TIERS[tier], tmp_path)
+    if result is None:
+        pytest.skip("no C++ compiler")
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import redis
 
@@ -180,6 +181,13 @@ def test_foreground_stream_dropped_is_stored_cancelled(server) -> None:
     srv.wait_idle()
 
 
+CITIES = ("Paris", "Lyon", "Marseille")
+
+
+class Capital(pydantic.BaseModel):
+    city: Literal[CITIES]  # type: ignore[valid-type]
+
+
 def test_agents_sdk_default_model_answers_calls_a_tool_and_cancels(server) -> None:
     import agents
     from agents import Agent, ModelSettings, Runner, function_tool
@@ -198,10 +206,13 @@ def test_agents_sdk_default_model_answers_calls_a_tool_and_cancels(server) -> No
         agents.set_default_openai_client(openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0,
                                                             timeout=300), use_for_tracing=False)
         agents.set_default_openai_api("responses")
-        plain = Agent(name="plain", instructions="Answer briefly.", model=MODEL,
+        # a structured answer whose language is finite (an enum; JSON whitespace runs are bounded), so the
+        # reply ends within max_tokens whatever the dtype makes of the question: a free-text reply of a
+        # 135M model may ramble past any budget, which the SDK raises on (response.incomplete)
+        plain = Agent(name="plain", instructions="Answer briefly.", model=MODEL, output_type=Capital,
                       model_settings=ModelSettings(temperature=0, max_tokens=64))
         answer = await Runner.run(plain, "What is the capital of France?")
-        assert isinstance(answer.final_output, str) and answer.final_output
+        assert isinstance(answer.final_output, Capital) and answer.final_output.city in CITIES
         # the SDK's default model went through /v1/responses (a Chat Completions model has no response id)
         assert answer.raw_responses[0].response_id.startswith("resp_")
         tooled = Agent(name="weather", instructions="Answer weather questions with the tool.", model=MODEL,

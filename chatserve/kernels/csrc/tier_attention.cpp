@@ -17,17 +17,25 @@
 //   K as [KVH][D][block_size]: a tile's 16 keys of one dim are kTile / kLanes vectors (key i in
 //     lane i % kLanes), so a tile's scores are an fp32 FMA chain over d = 0..D-1 of broadcast q[d]
 //     times those vectors (q widened to fp32 once per item; no transpose, no horizontal sum);
-//   V as [KVH][block_size][D]: acc[d] = acc[d] * corr, then acc[d] += p_i * V[i][d] for the tile's
-//     keys i in key order (an FMA chain per dim; P stays fp32, it is never rounded to bf16).
-// Per tile and row: s = (q . k) * scale, masked to -inf past pos; m_new = max(m, max s); corr =
-// e^(m - m_new) (e^-87 ~ 1e-38 on the first tile, where acc and l are still 0); p = e^(s - m_new)
-// masked to 0 past pos; l = l * corr + p per lane (one FMA; lanes summed once, at the end, in
-// vec.h's fixed tree); out = acc * (1 / l), rounded to bf16 (RNE).
+//   V as [KVH][block_size][D]: acc = acc * corr, then acc += p_i * V_i for the tile's keys i in
+//     key order (an FMA chain per dim). A key's row is read 2 * kLanes dims at a time as bf16 pairs
+//     and widened by a shift and an and (vec.h load_bf16_even_odd: half the instructions of two
+//     widening loads, which were as many as the FMAs), so the accumulators hold each such group as
+//     [even dims][odd dims], put back in order once at the end. P stays fp32 (never rounded to bf16).
+// Per tile and row: s = (q . k) * scale, masked to -inf past pos (partial tiles only: the mask of a
+// full tile keeps every lane); m_new = max(m, max s); corr = e^(m - m_new) (e^-87 ~ 1e-38 on the
+// first tile, where acc and l are still 0; one exp for all rows of a chunk, lane n = row n);
+// p = e^(s - m_new), masked to 0 past pos; l = l * corr + p per lane (one FMA; the lanes are summed
+// once, at the end, in vec.h's fixed tree); out = acc * (1 / l), rounded to bf16 (RNE).
 // The q-vectors (row, head) sharing a KV head are processed in work items of up to kMaxItemRows;
-// rows that read the same physical tile (a prompt's rows, sequences of a group sharing a prefix)
-// compute together: kChunk rows' scores share every K load, kPvRows rows' weighted sums share
-// every V load; each row's own chains are the ones it has alone. Built with -ffp-contract=off
-// (kernels/build.py): no multiply fuses with an add unless written as cs::fma.
+// rows that read the same physical tile (a prompt's rows, the heads of one KV head, sequences of a
+// group sharing a prefix) compute together: kChunk rows' scores share every K load, kPvRows rows'
+// weighted sums share every V load; each row's own chains are the ones it has alone.
+// Speed (Zen 3, AVX2, SmolLM2's 9 x 3 heads of 64, scripts/bench_tier_attention.py): a 1,000-token
+// causal prefill ~20 ms a layer on one core (~75% of the FMA peak; torch SDPA in fp32 ~25 ms),
+// ~11-13 ms on two (SDPA ~14-17); decode at 4,000 keys ~0.18 ms on two (SDPA ~0.35). Scoring two tiles at once for a decode's few rows was
+// tried: AVX2's 16 registers spill, no gain. Built with -ffp-contract=off (kernels/build.py): no
+// multiply fuses with an add unless written as cs::fma.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -49,10 +57,6 @@ constexpr int64_t kTile = 16;                    // key positions per online-sof
 constexpr int kTV = kTile / kLanes;              // vectors per tile: 2 (AVX2), 1 (AVX512)
 constexpr int kMaxItemRows = 48;                 // q-vectors per work item
 constexpr int kChunk = 12 / kTV;                 // rows scored together: 12 accumulators (AVX2 has 16 registers)
-#ifndef PAIRROWS
-#define PAIRROWS kChunk / 2
-#endif
-constexpr int kPairRows = PAIRROWS;            // up to this many rows score two tiles at once
 constexpr int kPvRows = kLanes == 8 ? 2 : 4;     // rows whose weighted sums share V loads
 constexpr int64_t kMaxHeadDim = 256;
 static_assert(kTile % kLanes == 0, "a tile is whole vectors");
@@ -89,7 +93,7 @@ struct Scratch {
   alignas(64) float acc[kMaxItemRows * kMaxHeadDim];
   alignas(64) float lv[kMaxItemRows * kTile];  // per row: the running sum of p, lane by lane
   alignas(64) float p[kChunk * kTile];         // the chunk's P, read back as broadcasts by the V step
-  alignas(64) uint16_t kt[2][kMaxHeadDim * kTile];  // [D][16 keys]: tiles' K from blocks of < kLanes keys
+  alignas(64) uint16_t kt[kMaxHeadDim * kTile];  // [D][16 keys]: a tile's K from blocks of < kLanes keys
   float m[kMaxItemRows];
 };
 
@@ -131,21 +135,17 @@ inline Tile locate_tile(const Ctx& c, const int64_t* blocks, int64_t key0, int64
   return t;
 }
 
-// Scores of N rows against NT tiles' keys: per row, tile and vector, one FMA chain over d = 0..D-1.
-// (Two tiles at once give a decode's few rows independent chains to overlap; each chain is the same.)
-template <int N, int NT>
-CS_INLINE void tile_scores(const Tile* t, const float* const* q, int64_t D, VF (&s)[NT][N][kTV]) {
-  _Pragma("GCC unroll 2") for (int u = 0; u < NT; ++u)
-    _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n)
-      _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[u][n][v] = cs::zero();
+// Scores of N rows against the tile's keys: per row and vector, one FMA chain over d = 0..D-1.
+template <int N>
+CS_INLINE void tile_scores(const Tile& t, const float* const* q, int64_t D, VF (&s)[N][kTV]) {
+  _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n)
+    _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[n][v] = cs::zero();
   for (int64_t d = 0; d < D; ++d) {
-    _Pragma("GCC unroll 2") for (int u = 0; u < NT; ++u) {  // one tile's K at a time: AVX2 has 16 registers
-      VF k[kTV];
-      _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) k[v] = cs::load_bf16(t[u].k[v] + d * t[u].k_stride);
-      _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
-        const VF qd = cs::broadcast(q[n] + d);
-        _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[u][n][v] = cs::fma(qd, k[v], s[u][n][v]);
-      }
+    VF k[kTV];
+    _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) k[v] = cs::load_bf16(t.k[v] + d * t.k_stride);
+    _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
+      const VF qd = cs::broadcast(q[n] + d);
+      _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[n][v] = cs::fma(qd, k[v], s[n][v]);
     }
   }
 }
@@ -185,7 +185,8 @@ CS_INLINE void pv_span(int64_t D, float* const* acc, const VF* corr, const float
   }
 }
 
-// accumulators per pass: about half the registers (8 of AVX2's 16, 16 of AVX512's 32)
+// Accumulators per pass: about half the registers (8 of AVX2's 16, 16 of AVX512's 32), so a
+// decode's lone row still has 8 independent chains.
 template <int NR>
 CS_INLINE void pv_rows(int64_t D, float* const* acc, const VF* corr, const float* p, const Tile& t) {
   constexpr int kAcc = kLanes == 8 ? 8 : 16, kGroups = kAcc / (2 * NR) > 1 ? kAcc / (2 * NR) : 1;
@@ -238,46 +239,27 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][k
   if constexpr (N % kPvRows != 0) pv_rows<N % kPvRows>(D, acc + kFull, corr + kFull, st.p + kFull * kTile, t);
 }
 
-// N rows reading the same NT consecutive tiles (from key0): scores of all, then the steps in order.
-template <int N, int NT>
-__attribute__((noinline)) void step(const Ctx& c, Scratch& st, const Tile* t, const QVec* qv, const int* rows, int64_t key0) {
+// N rows reading the same tile: their scores (K read once for all), then their steps.
+template <int N>
+__attribute__((noinline)) void step(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int64_t key0) {
   const float* q[N];
   for (int n = 0; n < N; ++n) q[n] = st.q + rows[n] * c.head_dim;
-  VF s[NT][N][kTV];
-  tile_scores<N, NT>(t, q, c.head_dim, s);
-  _Pragma("GCC unroll 2") for (int u = 0; u < NT; ++u) softmax_pv<N>(c, st, t[u], s[u], qv, rows, key0 + u * kTile);
+  VF s[N][kTV];
+  tile_scores<N>(t, q, c.head_dim, s);
+  softmax_pv<N>(c, st, t, s, qv, rows, key0);
 }
 
-// n rows (n <= N) in one step of up to N rows over nt (1, or 2 for n <= kPairRows) tiles
+// n rows (n <= N) in one step of up to N rows
 template <int N = kChunk>
-void step_rows(const Ctx& c, Scratch& st, const Tile* t, int nt, const QVec* qv, const int* rows, int n, int64_t key0) {
+void step_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int n, int64_t key0) {
   if constexpr (N > 1) {
-    if (n < N) return step_rows<N - 1>(c, st, t, nt, qv, rows, n, key0);
+    if (n < N) return step_rows<N - 1>(c, st, t, qv, rows, n, key0);
   }
-  if constexpr (N <= kPairRows) {
-    if (nt == 2) return step<N, 2>(c, st, t, qv, rows, key0);
-  }
-  step<N, 1>(c, st, t, qv, rows, key0);
+  step<N>(c, st, t, qv, rows, key0);
 }
 
 void run_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int n, int64_t key0) {
-  for (int i = 0; i < n; i += kChunk) step_rows(c, st, &t, 1, qv, rows + i, std::min(kChunk, n - i), key0);
-}
-
-// Whether all n rows read the same two tiles from key0 (then their steps can score both at once).
-bool same_tile_pair(const Ctx& c, const QVec* qv, int64_t n, int64_t key0, int64_t (*blocks)[kTile], int* nb) {
-  if (n > kPairRows) return false;
-  for (int64_t r = 0; r < n; ++r) {
-    if (qv[r].pos < key0 + kTile) return false;
-    for (int u = 0; u < 2; ++u) {
-      int64_t mine[kTile];
-      const int64_t* table = c.tables + qv[r].seq * c.max_blocks;
-      const int m = tile_blocks(c, table, qv[r].pos, key0 + u * kTile, r == 0 ? blocks[u] : mine);
-      if (r == 0) nb[u] = m;
-      else if (m != nb[u] || !std::equal(mine, mine + m, blocks[u])) return false;
-    }
-  }
-  return true;
+  for (int i = 0; i < n; i += kChunk) step_rows(c, st, t, qv, rows + i, std::min(kChunk, n - i), key0);
 }
 
 void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_head) {
@@ -296,16 +278,6 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
   Tile tile{};
   const bool whole_blocks = c.block_size >= kTile;  // a tile lies in one block: same sequence, same tile
   for (int64_t key0 = 0; key0 <= max_pos; key0 += kTile) {
-    int64_t pair_blocks[2][kTile];
-    int pair_nb[2];
-    if (same_tile_pair(c, qv, n, key0, pair_blocks, pair_nb)) {  // a decode's few rows: two tiles a step
-      const Tile pair[2] = {locate_tile(c, pair_blocks[0], key0, kv_head, st.kt[0]),
-                            locate_tile(c, pair_blocks[1], key0 + kTile, kv_head, st.kt[1])};
-      for (int64_t r = 0; r < n; ++r) rows[r] = static_cast<int>(r);
-      step_rows(c, st, pair, 2, qv, rows, static_cast<int>(n), key0);
-      key0 += kTile;
-      continue;
-    }
     int ncur = 0, nrows = 0;
     int64_t cur_seq = -1;
     for (int64_t r = 0; r < n; ++r) {
@@ -317,7 +289,7 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
           nrows = 0;
           ncur = nb;
           std::copy(blocks, blocks + nb, cur);
-          tile = locate_tile(c, cur, key0, kv_head, st.kt[0]);
+          tile = locate_tile(c, cur, key0, kv_head, st.kt);
         }
         cur_seq = qv[r].seq;
       }
@@ -436,7 +408,10 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   const int threads = std::max(1, at::get_num_threads());
   // Item size: up to kMaxItemRows, smaller when that would leave threads idle (work per row is unchanged).
   const int64_t want_items = 4 * threads;
-  const int64_t rows_per_item = std::clamp<int64_t>((total * KVH + want_items - 1) / want_items, 1, kMaxItemRows);
+  int64_t rows_per_item = std::clamp<int64_t>((total * KVH + want_items - 1) / want_items, 1, kMaxItemRows);
+  // in whole tokens where they fit: a token's heads of one KV head read the same tiles, and a
+  // decode's few rows are latency-bound, so splitting them costs more than it spreads
+  if (rep <= kMaxItemRows) rows_per_item = std::min(kMaxItemRows / rep * rep, (rows_per_item + rep - 1) / rep * rep);
   std::vector<Item> items;
   for (int64_t g = 0; g < G; ++g) {
     const auto& list = group_qv[g];
@@ -458,8 +433,11 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    auto st = std::make_unique<Scratch>();
-    std::vector<QVec> local(kMaxItemRows);
+    // one scratch per thread for the thread's life: ~110 KB, which make_unique would zero (and
+    // malloc would mmap and fault in) on every call: most of a decode step's attention time
+    thread_local std::unique_ptr<Scratch> scratch(new Scratch);
+    Scratch* st = scratch.get();
+    QVec local[kMaxItemRows];
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const auto& list = group_qv[it.group];
@@ -468,7 +446,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
         local[r] = list[it.begin + r];
         local[r].head += it.kv_head * rep;
       }
-      run_item(ctx, *st, local.data(), n, it.kv_head);
+      run_item(ctx, *st, local, n, it.kv_head);
     }
   });
   return out;

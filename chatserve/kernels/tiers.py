@@ -104,12 +104,23 @@ def tier_source(family: str) -> Path:
     return CSRC / f"tier_{family}.cpp"
 
 
+@functools.cache
+def build_tier_module(tier: KernelTier) -> ModuleType | None:
+    """Every tiered family compiled for `tier` as one extension (csrc/tier_kernels.cpp: the family
+    sources in one translation unit, plus the decoder-layer runner), cached per source, header and
+    flag hash; None with one log line where it cannot be built. One extension, not one per family:
+    each extra translation unit re-parses torch's headers (~40 s on 2 cores)."""
+    if not tier.tiered:
+        raise ValueError(f"tier {tier.name} has its own kernel sources (kernels/cpu_gemv.py, cpu_quant.py)")
+    return build_extension(f"chatserve_tier_{tier.name}", [CSRC / "tier_kernels.cpp"], cflags=tier.cflags,
+                           headers=[CSRC / "vec.h", *(tier_source(f) for f in TIERED_FAMILIES)])
+
+
 def build_tier_family(family: str, tier: KernelTier) -> ModuleType | None:
-    """csrc/tier_<family>.cpp compiled for `tier` (cached per source, header and flag hash), or None
-    with one log line where it cannot be built."""
+    """The extension holding csrc/tier_<family>.cpp's functions for `tier` (build_tier_module's),
+    or None where it cannot be built."""
     if not tier.tiered:
         raise ValueError(f"tier {tier.name} has its own kernel sources (kernels/cpu_gemv.py, cpu_quant.py)")
     if family not in TIERED_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; one of {', '.join(TIERED_FAMILIES)}")
-    return build_extension(f"chatserve_{family}_{tier.name}", [tier_source(family)], cflags=tier.cflags,
-                           headers=[CSRC / "vec.h"])
+    return build_tier_module(tier)

@@ -21,6 +21,7 @@ from chatserve.layers.norm import RMSNorm
 from chatserve.layers.ops import LayerOps
 from chatserve.layers.quantized_linear import QuantizedTensor
 from chatserve.layers.rotary import QKRotary, RotaryEmbedding
+from chatserve.models.layer_stack import build_layer_stack
 from chatserve.worker.forward_batch import ForwardBatch
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the batch's positions, [T, 1, head_dim]
@@ -132,6 +133,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
         self._layer_forwards = tuple(direct(layer) for layer in self.layers)
         self._layer_caches: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # every layer in one C++ call for steps without an abort check (models/layer_stack.py); set by
+        # process_weights where the layers run only tiered kernels, else None (the Python layers)
+        self.layer_stack: Any | None = None
 
     def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (K, V) views of `kv_cache`, made once per cache tensor (the runner keeps one
@@ -153,10 +157,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         h = self.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, h.dtype)
         residual = None
-        for layer_forward, (k_cache, v_cache) in zip(self._layer_forwards, self.layer_caches(kv_cache)):
-            h, residual = layer_forward(h, residual, batch, rope, k_cache, v_cache)
-            if between_layers is not None:
-                between_layers()
+        stack = self.layer_stack
+        if stack is not None and between_layers is None:  # the same kernels, in one call (the same bits)
+            m = batch.attn
+            h, residual = stack.forward(h, rope[0], rope[1], kv_cache, batch.slot_mapping, m.block_tables,
+                                        m.query_start, m.start_pos, m.seq_order, m.group_start)
+        else:
+            for layer_forward, (k_cache, v_cache) in zip(self._layer_forwards, self.layer_caches(kv_cache)):
+                h, residual = layer_forward(h, residual, batch, rope, k_cache, v_cache)
+                if between_layers is not None:
+                    between_layers()
         h = (h if residual is None else residual + h).index_select(0, batch.logits_indices)
         if h.shape[0] == 0:  # a step of prefill chunks only: the KV cache is filled, nothing to sample
             return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)
@@ -180,6 +190,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.embed_tokens = self.lm_head.method.tied_embedding(self.lm_head, self.embed_tokens)
         self.ops.release_memory()
+        self.layer_stack = build_layer_stack(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled.

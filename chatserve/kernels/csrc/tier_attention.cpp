@@ -495,8 +495,13 @@ void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// The family's functions, registered on `m`: by its own module, or by tier_kernels.cpp's (all families in one).
+inline void register_attention(py::module& m) {
   m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
   m.def("store_kv_paged_bf16", &store_kv_paged_bf16, "new tokens' K/V into their slots, in paged_attention_bf16's layout");
   m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache");
 }
+
+#ifndef CS_TIER_COMBINED
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { register_attention(m); }
+#endif

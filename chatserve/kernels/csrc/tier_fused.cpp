@@ -194,7 +194,8 @@ torch::Tensor huge_page_zeros(int64_t numel) {
 // weights have been replaced by their packed copies in the arena.
 void release_free_memory() { malloc_trim(0); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// The family's functions, registered on `m`: by its own module, or by tier_kernels.cpp's (all families in one).
+inline void register_fused(py::module& m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");
@@ -203,3 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("release_free_memory", &release_free_memory, "malloc_trim: return freed heap pages to the OS");
   m.def("lanes", [] { return cs::kLanes; }, "fp32 lanes of this build's vectors");
 }
+
+#ifndef CS_TIER_COMBINED
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { register_fused(m); }
+#endif

@@ -387,7 +387,8 @@ double fma_peak_gflops(int64_t iterations) {
   return static_cast<double>(threads) * iterations * kAcc * cs::kLanes * 2 / seconds / 1e9;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// The family's functions, registered on `m`: by its own module, or by tier_kernels.cpp's (all families in one).
+inline void register_gemm(py::module& m) {
   m.def("gemm_pack", &gemm_pack, "bf16 [N, K] -> the batch-invariant matmul's panels [ceil(N/P), K, P]",
         py::arg("w"), py::arg("out") = py::none());
   m.def("gemm_packed_shape", &gemm_packed_shape, "shape of gemm_pack's result for an [N, K] weight");
@@ -395,3 +396,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm, "batch-invariant bf16 x W^T (+ bias) over a gemm_pack-packed weight");
   m.def("fma_peak_gflops", &fma_peak_gflops, "register-only fp32 fma GFLOP/s on all threads");
 }
+
+#ifndef CS_TIER_COMBINED
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { register_gemm(m); }
+#endif

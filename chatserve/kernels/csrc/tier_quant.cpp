@@ -809,7 +809,8 @@ int64_t quant_prefetch_bytes(int64_t bytes) {
   return before;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// The family's functions, registered on `m`: by its own module, or by tier_kernels.cpp's (all families in one).
+inline void register_quant(py::module& m) {
   m.def("quant_prefetch_bytes", &quant_prefetch_bytes, "set (bytes > 0) and return the prefetch distance");
   m.def("quant_packed_nbytes", &quant_packed_nbytes, "bytes of the packed weight of qtype, N, K");
   m.def("quant_pack", &quant_pack, "GGUF blocks [N, row_bytes] -> packed", py::arg("raw"), py::arg("qtype"), py::arg("N"),
@@ -821,3 +822,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "packed -> bf16 [N, K]");
   m.def("quant_rows", &quant_rows, "rows ids of the de-quantised matrix -> bf16 [T, K]");
 }
+
+#ifndef CS_TIER_COMBINED
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { register_quant(m); }
+#endif

@@ -160,7 +160,7 @@ class EngineArgs:
                 "tier: AVX2 or better), else float32 (bf16 through plain torch ops is slower than float32)"})
     quantization: QuantizationName = field(default="auto", metadata={
         "help": "weight format: auto keeps a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks where the quantized CPU "
-                "kernels run (AVX512-BF16 and AVX512-VNNI, bfloat16), else de-quantises; none de-quantises; gguf insists on the "
+                "kernels run (a CPU kernel tier: AVX2 or better, bfloat16), else de-quantises; none de-quantises; gguf insists on the "
                 "file's blocks; int8 quantises every weight to int8 per output channel at load (also safetensors)"})
     device: str = field(default="auto", metadata={"help": "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block: 8, 16, 32, 64 or 128"})

@@ -28,14 +28,21 @@ def pytest_sessionstart(session) -> None:
     any test starts a server.
 
     A server building them itself counts the compile (minutes on 2 cores) against its startup
-    timeout; built here, every server finds them ready.
+    timeout; built here, every server finds them ready. The tiers build side by side, one thread
+    each: every extension is one translation unit, so one compile uses one core, and the builds
+    run in ninja subprocesses (the GIL is free while they compile).
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from chatserve.kernels.cpu import load_cpu_kernels
     from chatserve.kernels.cpu_quant import load_quant_kernels
 
-    for tier in KERNEL_TIERS:
+    def build(tier: str) -> None:
         load_cpu_kernels(tier=tier)
         load_quant_kernels(tier)  # the default model's GGUF blocks run on these (quantization "auto")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(KERNEL_TIERS), os.cpu_count() or 1))) as pool:
+        list(pool.map(build, KERNEL_TIERS))
 
 
 def _kernel_tiers() -> list[str]:
@@ -64,8 +71,12 @@ def kernels(request):
 
 
 @pytest.fixture(scope="session")
-def shared_fp32_server():
-    """One live `chatserve serve` (default model, float32, block size 16, API key) for the whole session.
+def shared_server():
+    """One live `chatserve serve` (default model and dtype, block size 16, API key) for the whole session.
+
+    The default dtype: bf16 on the host's kernel tier (float32 only without one), the fast path of
+    every host, so these tests cost on an AVX2 host what they cost elsewhere; what they check (tool
+    calls, structured outputs, clients) holds in any dtype.
 
     A server start is the most expensive thing a live test does (a model load: over a minute on a
     busy 2-core box, most of it transformers parsing the GGUF metadata), so modules whose tests need
@@ -73,10 +84,10 @@ def shared_fp32_server():
     and the HTTP burst of tests/test_prefix_burst.py. Tests on it must leave it idle (no running
     request, no locked block) and must not depend on what earlier modules left in its prefix cache.
     """
-    from .helpers.server import SHARED_FP32_API_KEY, start_server
+    from .helpers.server import SHARED_API_KEY, start_server
 
-    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "20", "--dtype", "float32", "--block-size", "16",
-                       api_key=SHARED_FP32_API_KEY)
+    srv = start_server("--max-model-len", "2048", "--max-num-seqs", "20", "--block-size", "16",
+                       api_key=SHARED_API_KEY)
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 

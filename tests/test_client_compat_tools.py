@@ -23,7 +23,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from .helpers.server import SHARED_FP32_API_KEY as API_KEY
+from .helpers.server import SHARED_API_KEY as API_KEY
 from .helpers.server import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -45,9 +45,9 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(shared_fp32_server: ServerProcess) -> ServerProcess:
-    """The session's shared float32 server (tests/conftest.py): a model load fewer than a server of our own."""
-    return shared_fp32_server
+def server(shared_server: ServerProcess) -> ServerProcess:
+    """The session's shared server (tests/conftest.py): a model load fewer than a server of our own."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,25 @@ def test_kernel_tier_choices_are_checked():
         select_tier("avx512_vnni", avx2_only)
 
 
+def test_max_cpu_tier_caps_this_machines_tiers(monkeypatch):
+    """$CHATSERVE_MAX_CPU_TIER drops the tiers above it from this CPU's (auto then picks the cap or
+    lower; forcing one above it is an error naming the variable); explicit flags stay uncapped."""
+    from chatserve.kernels import tiers
+
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                                "avx512dq", "avx512_vnni", "avx512_bf16"}))
+    assert [t.name for t in tiers.supported_tiers()] == ["avx512_bf16", "avx512_vnni", "avx2"]
+    monkeypatch.setenv("CHATSERVE_MAX_CPU_TIER", "avx512_vnni")
+    assert [t.name for t in tiers.supported_tiers()] == ["avx512_vnni", "avx2"]
+    assert tiers.select_tier("auto").name == "avx512_vnni"
+    with pytest.raises(ValueError, match="above CHATSERVE_MAX_CPU_TIER='avx512_vnni'"):
+        tiers.select_tier("avx512_bf16")
+    assert tiers.select_tier("auto", tiers.cpu_flags()).name == "avx512_bf16"  # a hypothetical CPU: no cap
+    monkeypatch.setenv("CHATSERVE_MAX_CPU_TIER", "avx1")
+    with pytest.raises(ValueError, match="CHATSERVE_MAX_CPU_TIER must be one of"):
+        tiers.supported_tiers()
+
+
 def test_explicit_dtypes_are_kept_and_unknown_ones_refused(monkeypatch):
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
     assert config.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

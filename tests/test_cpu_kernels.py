@@ -230,7 +230,7 @@ def test_default_model_kernel_path_agrees_with_torch_path(kernels, matmul):
     if matmul == "amx" and kernels.amx is None:
         pytest.skip("no AMX tiles here")
     fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64, enable_prefix_caching=False, amx=matmul == "amx",
-               quantization="none")  # the bf16 matmuls (the quantized path: tests/test_quantized_model.py)
+               quantization="none", cpu_kernel_tier=kernels.tier)  # the bf16 matmuls (the quantized path: tests/test_quantized_model.py)
     assert fast.engine.attention_backend == "cpu" and "paged attention" in fast.engine.runner.ops.describe()
     assert ("AMX" in fast.engine.runner.linear_impl) == (matmul == "amx")
     fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
@@ -258,7 +258,7 @@ def test_tiny_models_bf16_kernel_path_agrees_with_torch_path(kernels, tiny_check
     folder = str(tiny_checkpoint(arch))
     prompts = [{"prompt_token_ids": list(range(500, 500 + n))} for n in (1, 7, 16, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
-    fast = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False)
+    fast = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False, cpu_kernel_tier=kernels.tier)
     fast_out = [o.outputs[0] for o in fast.generate(prompts, params)]
     slow = LLM(folder, dtype="bfloat16", num_kv_blocks=32, enable_prefix_caching=False, cpu_kernels=False)
     assert slow.engine.runner.linear_impl != fast.engine.runner.linear_impl

@@ -27,8 +27,8 @@ def test_a_builder_that_dies_releases_the_lock(tmp_path):
     build_dir = tmp_path / "chatserve_cpu_kernels_y"
     build_dir.mkdir()
     holder = subprocess.Popen([sys.executable, "-c",
-                               "import sys, time; from pathlib import Path; from chatserve.kernels.cpu_gemv import _exclusive_build\n"
-                               f"cm = _exclusive_build(Path({str(build_dir)!r})); cm.__enter__()\n"
+                               "import sys, time; from pathlib import Path; from chatserve.kernels.build import exclusive_build\n"
+                               f"cm = exclusive_build(Path({str(build_dir)!r})); cm.__enter__()\n"
                                "print('held', flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -67,17 +67,17 @@ def test_burst_after_warmup_computes_the_shared_prefix_once(folder, users, syste
 # ---- over HTTP -----------------------------------------------------------------------------------
 
 
-def test_http_bursts_after_warmup_traffic_share_the_new_prefix(shared_fp32_server):
+def test_http_bursts_after_warmup_traffic_share_the_new_prefix(shared_server):
     """8 and 16 users, a system prompt on and off a block boundary, each burst after unrelated traffic
     that cached the shared opening: every request but one is served the shared prefix (less a block).
 
-    On the session's shared float32 server (block size 16, tests/conftest.py): its prefix cache may
+    On the session's shared server (block size 16, tests/conftest.py): its prefix cache may
     hold other modules' traffic, which shares no tokens with these random prompts."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
-    server = shared_fp32_server
+    server = shared_server
     model = httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).json()["data"][0]["id"]
 
     def complete(prompt: list[int]) -> dict:

@@ -55,14 +55,18 @@ for (const name of ['alert', 'confirm', 'prompt']) {
 """
 
 # Samples the length of the newest reply's text every 15 ms while it streams.
+# Samples, every 15 ms, how much of the reply is on screen: its markdown source drawn so far
+# (data-source-length, which only grows) and its rendered text, which may shrink by a marker's few
+# characters while streaming ("**bold" shows its asterisks until the closing pair arrives).
 LENGTH_SAMPLER = """
 window.__lengths = [];
+window.__rendered = [];
 window.__sampler = setInterval(() => {
   const replies = document.querySelectorAll('[data-testid="assistant-message"] .msg-body');
   const last = replies[replies.length - 1];
-  const n = last ? last.textContent.length : 0;
-  const seen = window.__lengths;
-  if (seen.length === 0 || seen[seen.length - 1] !== n) seen.push(n);
+  const push = (seen, n) => { if (seen.length === 0 || seen[seen.length - 1] !== n) seen.push(n); };
+  push(window.__lengths, last ? Number(last.dataset.sourceLength || 0) : 0);
+  push(window.__rendered, last ? last.textContent.length : 0);
 }, 15);
 """
 
@@ -304,7 +308,9 @@ def test_reply_streams_in_steps_then_shows_stats(page: Any) -> None:
     text = last_reply_text(driver)
     assert text.strip(), "the reply is empty"
     assert len(lengths) >= 3, f"the reply did not grow in steps: sampled lengths {lengths}"
-    assert lengths == sorted(lengths), f"the reply text shrank while streaming: {lengths}"
+    assert lengths == sorted(lengths), f"the reply's drawn source shrank while streaming: {lengths}"
+    rendered = [n for n in driver.execute_script("return window.__rendered") if n > 0]
+    assert len(rendered) >= 3 and rendered[-1] > rendered[0], f"the rendered reply did not grow in steps: {rendered}"
     stats_text = stats[0].text
     assert "TTFT" in stats_text and "tok/s" in stats_text and "cached" in stats_text, stats_text
     assert one(driver, "message-input").is_enabled()

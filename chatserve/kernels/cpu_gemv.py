@@ -87,8 +87,3 @@ def _load_amx(ext) -> AmxMatmul | None:
             logger.warning("AMX matmul gave wrong results; using the AVX512-BF16 kernel")
             return None
     return amx
-
-
-# the build helpers moved to kernels/build.py; the old private names stay until every caller moved
-from chatserve.kernels.build import build_root as _build_root  # noqa: E402, F401
-from chatserve.kernels.build import exclusive_build as _exclusive_build  # noqa: E402, F401

@@ -21,6 +21,7 @@ order), so determinism is a promise per tier, not across tiers.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -72,10 +73,33 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+MAX_TIER_ENV = "CHATSERVE_MAX_CPU_TIER"
+
+
+def max_tier() -> KernelTier | None:
+    """The best tier this process may use ($CHATSERVE_MAX_CPU_TIER, a tier name), or None: no cap.
+
+    Why a cap, as oneDNN's ONEDNN_MAX_CPU_ISA: greedy output is bit-exact per tier, so a fleet of
+    mixed hosts capped at one tier answers the same on every host; and a machine with AVX512 runs the
+    whole suite as an AVX2-only host would (with ATEN_CPU_CAPABILITY=avx2 for torch's own kernels).
+    """
+    name = os.environ.get(MAX_TIER_ENV, "").strip()
+    if not name:
+        return None
+    if name not in TIERS:
+        raise ValueError(f"{MAX_TIER_ENV} must be one of {', '.join(TIERS)}; got {name!r}")
+    return TIERS[name]
+
+
 def supported_tiers(flags: frozenset[str] | None = None) -> list[KernelTier]:
-    """The tiers this CPU can run, best first."""
+    """The tiers this CPU can run, best first (those above $CHATSERVE_MAX_CPU_TIER left out)."""
     have = cpu_flags() if flags is None else flags
-    return [t for t in TIERS.values() if set(t.cpu_flags) <= have]
+    tiers = [t for t in TIERS.values() if set(t.cpu_flags) <= have]
+    cap = max_tier() if flags is None else None  # explicit flags: a hypothetical CPU, uncapped
+    if cap is not None:
+        ranked = list(TIERS.values())
+        tiers = [t for t in tiers if ranked.index(t) >= ranked.index(cap)]
+    return tiers
 
 
 def tested_tiers() -> list[KernelTier]:
@@ -95,6 +119,9 @@ def select_tier(requested: str = "auto", flags: frozenset[str] | None = None) ->
     tier = TIERS[requested]
     if tier not in supported:
         missing = sorted(set(tier.cpu_flags) - (cpu_flags() if flags is None else flags))
+        if not missing:
+            raise ValueError(f"cpu_kernel_tier={requested!r} is above {MAX_TIER_ENV}={os.environ.get(MAX_TIER_ENV)!r} "
+                             f"(allowed here: {', '.join(t.name for t in supported) or 'none'})")
         raise ValueError(f"cpu_kernel_tier={requested!r} needs CPU flags this machine lacks: {', '.join(missing)} "
                          f"(supported here: {', '.join(t.name for t in supported) or 'none'})")
     return tier

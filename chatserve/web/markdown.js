@@ -195,6 +195,7 @@ export class StreamingMarkdown {
     }
     const tail = markdownNodes(this.text.slice(this.stableEnd));
     this.container.replaceChildren(...this.stableNodes, ...tail);
+    this.markDrawn();
     this.frameTimes.push(performance.now() - t0);
     if (this.onFrame) this.onFrame();
   }
@@ -203,6 +204,15 @@ export class StreamingMarkdown {
     if (this.frame) cancelAnimationFrame(this.frame);
     this.frame = 0;
     renderMarkdown(this.text, this.container);
+    this.markDrawn();
+  }
+
+  // How much of the markdown source is on screen, as data-source-length on the container: the
+  // rendered text can shrink by a few characters while it streams ("**bold" shows its asterisks
+  // until the closing pair arrives), the source never does, so a tool (or a test) that follows a
+  // reply growing reads this.
+  markDrawn() {
+    this.container.dataset.sourceLength = String(this.text.length);
   }
 }
 

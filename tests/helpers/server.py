@@ -17,8 +17,8 @@ import httpx
 from .net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-# The API key of the session-wide float32 server (the `shared_fp32_server` fixture in tests/conftest.py).
-SHARED_FP32_API_KEY = "shared-fp32-key"
+# The API key of the session-wide shared server (the `shared_server` fixture in tests/conftest.py).
+SHARED_API_KEY = "shared-server-key"
 
 
 @dataclass

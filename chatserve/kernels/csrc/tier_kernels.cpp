@@ -172,7 +172,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cs_attention::register_attention(m);
   cs_quant::register_quant(m);
   m.attr("BF16_PANELS") = cs_layers::kBf16Panels;
-  py::class_<cs_layers::LayerStack>(m, "LayerStack", "a Llama-family model's decoder layers, run in one call a step")
+  // module_local: every tier's extension defines cs_layers::LayerStack, and pybind11's type registry
+  // is shared by the extensions of one process (a test session loads several tiers)
+  py::class_<cs_layers::LayerStack>(m, "LayerStack", py::module_local(),
+                                    "a Llama-family model's decoder layers, run in one call a step")
       .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("add_layer", &cs_layers::LayerStack::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("hidden"),

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from chatserve.kernels.tiers import TIER_CHOICES
+from chatserve.kernels.tiers import TIER_CHOICES, max_tier
 from chatserve.models.registry import MODEL_TYPES, check_architecture
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -104,7 +104,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: b
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (False where it cannot be read)."""
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (False where it cannot be read, or where
+    $CHATSERVE_MAX_CPU_TIER caps this process below the AVX512-BF16 tier)."""
+    cap = max_tier()
+    if cap is not None and cap.name != "avx512_bf16":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

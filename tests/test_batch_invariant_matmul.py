@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chatserve.kernels import tiers
-from chatserve.kernels.cpu import CpuKernels, PackedGemm, cpu_has_avx512_bf16, load_cpu_kernels
+from chatserve.kernels.cpu import CpuKernels, PackedGemm, load_cpu_kernels
 from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
 from chatserve.layers.linear import (
     GemvLinearMethod,
@@ -34,7 +34,8 @@ GEMM_TIERS = ["avx512_bf16", *(t.name for t in tiers.tested_tiers() if t.tiered)
 
 
 def _bf16_kernels() -> CpuKernels | None:
-    return load_cpu_kernels(amx=False, tier="avx512_bf16") if cpu_has_avx512_bf16() else None
+    # supported_tiers, not the raw flag: $CHATSERVE_MAX_CPU_TIER may cap this process below the tier
+    return load_cpu_kernels(amx=False, tier="avx512_bf16") if tiers.TIERS["avx512_bf16"] in tiers.supported_tiers() else None
 
 
 def tiered_gemm(ext) -> PackedGemm:

@@ -44,6 +44,7 @@ def test_max_cpu_tier_caps_this_machines_tiers(monkeypatch):
     lower; forcing one above it is an error naming the variable); explicit flags stay uncapped."""
     from chatserve.kernels import tiers
 
+    monkeypatch.delenv("CHATSERVE_MAX_CPU_TIER", raising=False)
     monkeypatch.setattr(tiers, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
                                                                 "avx512dq", "avx512_vnni", "avx512_bf16"}))
     assert [t.name for t in tiers.supported_tiers()] == ["avx512_bf16", "avx512_vnni", "avx2"]

@@ -8,6 +8,7 @@ Nothing here touches the network: every load is ``local_files_only``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -144,6 +145,37 @@ def metadata_cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chatserve"
 
 
+@contextlib.contextmanager
+def _gguf_metadata_parsed_once() -> Iterator[None]:
+    """Within the block, transformers' metadata-only GGUF reads (load_gguf_checkpoint with
+    return_tensors=False) parse each file once and hand later callers a copy.
+
+    Why: AutoConfig and AutoTokenizer each parse the whole file (gguf's reader walks the 49k-token
+    vocabulary and merges in Python, seconds on a 2-core host); they read the same dict. Both import
+    the function from its module when called, so patching the module attribute reaches both.
+    """
+    import copy
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+    parsed: dict[str, Any] = {}
+
+    def once(path: Any, return_tensors: bool = False, **kw: Any) -> Any:
+        if return_tensors or kw:
+            return original(path, return_tensors=return_tensors, **kw)
+        key = str(path)
+        if key not in parsed:
+            parsed[key] = original(path, return_tensors=False)
+        return copy.deepcopy(parsed[key])
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
+
+
 def gguf_metadata_folder(source: ModelSource) -> str | None:
     """A Hugging Face folder (config.json, tokenizer files) holding what transformers reads from
     this GGUF file's metadata, written on first use; None where it cannot be written.
@@ -177,8 +209,9 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": source.gguf_file}
-    config = AutoConfig.from_pretrained(source.folder, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    with _gguf_metadata_parsed_once():
+        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     try:
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
         config.save_pretrained(tmp)

@@ -62,3 +62,27 @@ def test_an_unwritable_cache_falls_back_to_reading_the_gguf(tmp_path, monkeypatc
     source = resolve_model(None)
     assert gguf_metadata_folder(source) is None
     assert load_tokenizer(source)(TEXT).input_ids  # still loads, straight from the GGUF
+
+
+def test_a_conversion_parses_the_gguf_metadata_once(monkeypatch):
+    """AutoConfig and AutoTokenizer both ask transformers for the file's metadata; inside the
+    conversion the second ask gets a copy of the first parse (and a tensor read still parses)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from chatserve.models.loader import _gguf_metadata_parsed_once
+
+    calls = []
+
+    def fake(path, return_tensors=False, **kw):
+        calls.append((str(path), return_tensors))
+        return {"config": {"vocab": ["a", "b"]}}
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", fake)
+    with _gguf_metadata_parsed_once():
+        first = gguf_utils.load_gguf_checkpoint("/m.gguf", return_tensors=False)
+        first["config"]["vocab"].append("mutated by a caller")
+        second = gguf_utils.load_gguf_checkpoint("/m.gguf", return_tensors=False)
+        gguf_utils.load_gguf_checkpoint("/m.gguf", return_tensors=True)
+    assert calls == [("/m.gguf", False), ("/m.gguf", True)]
+    assert second == {"config": {"vocab": ["a", "b"]}}  # a copy: one caller's edits do not leak
+    assert gguf_utils.load_gguf_checkpoint is fake  # restored

@@ -100,6 +100,16 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def llm_default():
+    """Our engine on the default model as a user gets it (default dtype, quantization and kernel tier),
+    for tests of a mechanism rather than of numerics: on every host the fast path (float32 torch
+    decodes ~10x slower), and the path the server runs."""
+    from chatserve import LLM
+
+    return LLM(max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
 def llm_fp32():
     """Our engine on the default model in float32 (for exactness against transformers)."""
     from chatserve import LLM

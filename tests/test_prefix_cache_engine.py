@@ -19,8 +19,8 @@ def _system_ids(tok) -> list[int]:
     return apply_chat_template(tok, [{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
 
 
-def test_shared_system_prompt_is_reused(llm_fp32):
-    llm = llm_fp32
+def test_shared_system_prompt_is_reused(llm_default):
+    llm = llm_default
     tok = llm.get_tokenizer()
     bs = llm.engine.block_manager.block_size
     assert llm.engine.reset_prefix_cache()
@@ -38,8 +38,8 @@ def test_shared_system_prompt_is_reused(llm_fp32):
     llm.engine.check_integrity()
 
 
-def test_three_turn_conversation_reuses_whole_history(llm_fp32):
-    llm = llm_fp32
+def test_three_turn_conversation_reuses_whole_history(llm_default):
+    llm = llm_default
     tok = llm.get_tokenizer()
     bs = llm.engine.block_manager.block_size
     assert llm.engine.reset_prefix_cache()

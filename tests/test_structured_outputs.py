@@ -117,7 +117,7 @@ def test_params_take_exactly_one_kind():
 # the real model: every kind, finished by the grammar
 
 
-def test_every_kind_constrains_the_real_model(llm_fp32):
+def test_every_kind_constrains_the_real_model(llm_default):
     person = "Describe a person called Ann, aged 31, as JSON with name and age."
     cases = {
         "json": (person, StructuredOutputsParams(json=PERSON_SCHEMA)),
@@ -127,7 +127,7 @@ def test_every_kind_constrains_the_real_model(llm_fp32):
         "json_object": ('Reply with the JSON object {"ok": true} and nothing else.', StructuredOutputsParams(json_object=True)),
     }
     convs = [[{"role": "user", "content": text}] for text, _ in cases.values()]
-    outs = llm_fp32.chat(convs, [greedy(spec, max_tokens=60) for _, spec in cases.values()])
+    outs = llm_default.chat(convs, [greedy(spec, max_tokens=200) for _, spec in cases.values()])
     got = {kind: out.outputs[0] for kind, out in zip(cases, outs)}
     for kind, out in got.items():
         assert out.finish_reason == "stop", (kind, out.text, out.finish_reason)
@@ -137,7 +137,7 @@ def test_every_kind_constrains_the_real_model(llm_fp32):
     assert got["choice"].text in ("yes", "no", "maybe")
     assert re.fullmatch(r"Age: [0-9]+\.", got["grammar"].text)
     assert isinstance(json.loads(got["json_object"].text), dict)
-    assert_idle(llm_fp32)
+    assert_idle(llm_default)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -430,16 +430,16 @@ def _compiler_service(tokenizer: Any, cls: Any) -> Any:
 
 
 # ---- offline: LLM.chat(tools=...) with the real model -----------------------------------------------------
-def test_llm_chat_with_required_tools_returns_parsed_calls_that_validate(llm_fp32) -> None:
+def test_llm_chat_with_required_tools_returns_parsed_calls_that_validate(llm_default) -> None:
     import jsonschema
 
     from chatserve.sampling_params import SamplingParams
 
-    (out,) = llm_fp32.chat(ASK, SamplingParams(temperature=0, max_tokens=40), tools=[WEATHER], tool_choice="required")
+    (out,) = llm_default.chat(ASK, SamplingParams(temperature=0, max_tokens=160), tools=[WEATHER], tool_choice="required")
     o = out.outputs[0]
     assert o.finish_reason == "stop", o.text
     (call,) = o.tool_calls
     assert call.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
-    (plain,) = llm_fp32.chat(ASK, SamplingParams(temperature=0, max_tokens=4))
+    (plain,) = llm_default.chat(ASK, SamplingParams(temperature=0, max_tokens=4))
     assert plain.outputs[0].tool_calls is None  # no tools: nothing parsed, nothing constrained

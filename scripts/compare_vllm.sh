@@ -41,6 +41,9 @@
 # BURST_PREFIX_TOKENS (800), BURST_MAX_TOKENS (32), MAX_MODEL_LEN (4096), KV_GB (2), ENGINES
 # ("chatserve vllm"), SMOKE (1: small counts), CHATSERVE_QUANTIZATION (none), VLLM_SPEC, HF_DIR, CHATSERVE_ARGS (replaces the dtype /
 # quantization / KV flags), VLLM_ARGS (added), BENCH_ARGS (extra bench_serving.py flags for both),
+# VLLM_CPU_ISA (avx2 | avx512: vLLM loads its _C_AVX2 / _C_AVX512 kernels although the CPU has more, via
+# scripts/vllm_isa_shim; with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 CHATSERVE_MAX_CPU_TIER=avx2
+# both engines run an AVX2-only host's code on an AVX512 machine),
 # VLLM_LD_PRELOAD, STARTUP_TIMEOUT (s, 1200: vLLM compiles its model graphs with torch.compile at first
 # start, ~3 min on 2 busy cores; later starts reuse ~/.cache/vllm).
 set -euo pipefail
@@ -152,12 +155,13 @@ start_engine() {  # engine port
             ;;
         vllm)
             log "starting vLLM $VLLM_VERSION (torch $VLLM_TORCH) on 127.0.0.1:$port, cores 0-$((THREADS - 1))," \
-                "LD_PRELOAD=${VLLM_LD_PRELOAD:-none}"
+                "LD_PRELOAD=${VLLM_LD_PRELOAD:-none}${VLLM_CPU_ISA:+, kernels for $VLLM_CPU_ISA}"
             # shellcheck disable=SC2086
             start_server vllm "$OUT_DIR/vllm.log" \
                 env VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" VLLM_CPU_KVCACHE_SPACE="$KV_GB" \
                 LD_PRELOAD="$VLLM_LD_PRELOAD${LD_PRELOAD:+:$LD_PRELOAD}" \
                 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+                ${VLLM_CPU_ISA:+VLLM_CPU_ISA=$VLLM_CPU_ISA PYTHONPATH=$ROOT/scripts/vllm_isa_shim${PYTHONPATH:+:$PYTHONPATH}} \
                 "$VVENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
                 --served-model-name "$MODEL_NAME" --dtype bfloat16 --enable-prefix-caching \
                 --max-model-len "$MAX_MODEL_LEN" --host 127.0.0.1 --port "$port" --seed 0 \

@@ -510,7 +510,8 @@ def test_delta_stream_of_chinese_never_splits_a_character(llm_default):
     engine = llm_default.engine
     tok = llm_default.get_tokenizer()
     ids = apply_chat_template(tok, [{"role": "user", "content": "介绍一下北京的旅游景点"}])
-    engine.add_request("zh-delta", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind="delta"))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind="delta")
+    engine.add_request("zh-delta", {"prompt_token_ids": ids}, params)
     outs = drive(engine, check_every_step=False)["zh-delta"]
     deltas = [o.outputs[0] for o in outs]
     assert all(REPLACEMENT_CHAR not in d.text for d in deltas)

@@ -9,6 +9,7 @@ import torch
 
 from chatserve.kernels.tiers import TIER_CHOICES, max_tier
 from chatserve.models.registry import MODEL_TYPES, check_architecture
+from chatserve.spec_decode.config import parse_speculative_config
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "none", "gguf", "int8"]
@@ -201,6 +202,10 @@ class EngineArgs:
         "help": "ZMQ ROUTER address where a subscriber asks for missed KV event batches, e.g. tcp://*:5558 "
                 "(default: no replay)"})
     kv_events_topic: str = field(default="", metadata={"help": "ZMQ topic of the KV event messages"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "speculative decoding without a draft model, as JSON in vLLM's shape, e.g. "
+                '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5}\' (method: ngram); '
+                "greedy and seeded outputs stay token for token the same (default: off)"})
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -225,6 +230,7 @@ class EngineArgs:
             _check_zmq_tcp_endpoint(name, getattr(self, name))
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        parse_speculative_config(self.speculative_config)  # LLM(speculative_config={...}) passes a dict
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -69,6 +69,9 @@ class RequestStats:
     # a session turn after its first: did the cache hold the stored history (every whole block of it that
     # was computed: the last token never is, it was sampled last)? None otherwise
     session_history_matched: bool | None = None
+    # speculative decoding: draft tokens verified for this request and how many were kept
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:

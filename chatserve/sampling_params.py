@@ -181,6 +181,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None
+    # NOTE: a per-request opt-out of speculative decoding (when the engine has a speculative_config);
+    # the output is the same either way, only the speed differs.
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -229,7 +232,7 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -169,6 +169,25 @@ class BlockManager:
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def allocate_free_only(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """As allocate, from free blocks only (no eviction): room for speculative drafts."""
+        need = self.num_new_blocks_needed(seq, num_new_tokens)
+        if need > self.allocator.num_free:
+            return False
+        if need:
+            seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past what seq's tokens need (after a verification rejected drafts whose
+        slots were in them). Such a block held only rejected tokens and was never published."""
+        keep = self.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            assert seq.num_published_blocks <= keep
+            extra = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.allocator.decref(extra)
+
     # ---- sharing computed blocks -------------------------------------------
     def publish(self, seq: Sequence) -> None:
         """Offer seq's newly computed full blocks to the prefix cache (also mid-prefill).

@@ -13,22 +13,36 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chatserve.config import SchedulerConfig
 from chatserve.core.block_manager import BlockManager
 from chatserve.core.sequence import Sequence, SequenceStatus
 
+# (seq, draft token budget, number of decoding sequences) -> draft tokens to verify this step
+Proposer = Callable[[Sequence, int, int], list[int]]
+
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # Speculative decoding: guesses of the tokens after the sequence's last one, verified this step.
+    # The step computes the last token and these (num_new_tokens = 1 + len(drafts)); none of them is
+    # in seq.token_ids until the verification keeps it.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_prompt(self) -> bool:
         """True when this chunk reaches the end of the sequence's tokens, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this step needs for the sequence: one per verified draft plus one, 1 when
+        the chunk completes the prompt, else 0."""
+        return 1 + len(self.draft_token_ids) if self.completes_prompt else 0
 
     @property
     def is_decode(self) -> bool:
@@ -39,6 +53,11 @@ class ScheduledSeq:
         extend path of the attention (same arithmetic as a decode for one query token).
         """
         return self.num_new_tokens == 1 and self.completes_prompt and self.seq.num_output_tokens > 0
+
+    @property
+    def is_verify(self) -> bool:
+        """A decode step with drafts: extend-shaped (1 + k query rows), decode work for the stats."""
+        return bool(self.draft_token_ids)
 
 
 @dataclass
@@ -56,9 +75,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, proposer: Proposer | None = None) -> None:
         self.config = config
         self.blocks = block_manager
+        # NOTE: speculative decoding's drafter (spec_decode.SpecProposer.propose), handed in so that
+        # core does not import it. Drafts only ever use blocks that are free: a guess never evicts a
+        # cached block nor preempts a sequence.
+        self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -77,8 +100,8 @@ class Scheduler:
         # NOTE: while anyone is decoding, each prefill advances by at most `chunk` tokens a step, so a
         # long prompt is spread over many steps instead of stalling the running streams; short
         # prompts (a burst of chat turns) still go whole.
-        decoding = any(s.num_uncomputed_tokens == 1 for s in self.running)
-        chunk = self.config.max_prefill_tokens_while_decoding if decoding else budget
+        num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        chunk = self.config.max_prefill_tokens_while_decoding if num_decoding else budget
 
         # 1. running sequences, oldest first
         i = 0
@@ -100,9 +123,10 @@ class Scheduler:
                 continue  # seq itself was preempted; the list shifted
             if self.blocks.num_new_blocks_needed(seq, n) > 0:
                 break  # nothing left to preempt; try again next step
-            out.scheduled.append(ScheduledSeq(seq, n))
+            drafts = self._drafts(seq, budget - n, num_decoding) if n == 1 and seq.num_uncomputed_tokens == 1 else []
+            out.scheduled.append(ScheduledSeq(seq, n + len(drafts), drafts))
             scheduled_ids.add(seq.seq_id)
-            budget -= n
+            budget -= n + len(drafts)
             i += 1
 
         # 2. admit waiting sequences (none while we are preempting: memory is short)
@@ -135,6 +159,20 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _drafts(self, seq: Sequence, budget: int, num_decoding: int) -> list[int]:
+        """The proposer's drafts for a decoding seq, cut to the free blocks (allocated here)."""
+        if self.proposer is None or budget <= 0 or seq.num_output_tokens == 0:
+            return []
+        drafts = self.proposer(seq, budget, num_decoding)
+        if not drafts:
+            return []
+        bs = self.blocks.block_size
+        free_slots = (len(seq.block_table) + self.blocks.num_free_blocks) * bs - seq.num_computed_tokens - 1
+        drafts = drafts[: max(0, free_slots)]
+        if drafts and not self.blocks.allocate_free_only(seq, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
         """Is another running sequence computing the block that follows seq's cached prefix?

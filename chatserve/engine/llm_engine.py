@@ -32,6 +32,8 @@ from chatserve.layers.ops import select_layer_ops
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
+from chatserve.spec_decode.config import parse_speculative_config
+from chatserve.spec_decode.proposer import SpecProposer, make_proposer
 from chatserve.structured import GrammarCompilerService, SequenceMatcher
 from chatserve.worker.model_runner import ModelRunner, StepInterrupted
 from chatserve.worker.sampler import make_generator
@@ -127,9 +129,18 @@ class LLMEngine:
             self.kv_event_publisher = KVEventPublisher(self.kv_events_config)
         self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching,
                                           kv_events=self.kv_event_log)
+        # Speculative decoding (--speculative-config): drafts proposed per step, verified in the forward.
+        self.speculative_config = parse_speculative_config(args.speculative_config)
+        self.spec: SpecProposer | None = None
+        if self.speculative_config is not None:
+            self.spec = make_proposer(self.speculative_config, max_len)
+            if ops.cpu is None:
+                logger.warning("speculative decoding on %s: this path is not batch-invariant, so verified tokens equal "
+                               "plain decoding's only up to float rounding (exact on the CPU kernel tiers)", ops.describe())
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, args.max_prefill_tokens_while_decoding),
             self.block_manager,
+            proposer=self.spec.propose if self.spec is not None else None,
         )
         self.requests: dict[str, Request] = {}
         # Structured outputs: compiled off the step (a worker thread); requests wait here meanwhile.
@@ -275,7 +286,7 @@ class LLMEngine:
         seq.finish_reason, seq.error = "error", message
         if not seq.detokenizer.finished:
             seq.detokenizer.flush()
-        self.scheduler.finish(seq)
+        self._finish_seq(seq)
 
     def request_abort_soon(self, request_id: str) -> None:
         """Say (from any thread) that an abort of request_id will follow: a prefill step running only
@@ -287,7 +298,7 @@ class LLMEngine:
         every request in the step has an abort coming. Why between layers: a long prompt's chunk is
         one step, and a client that disconnects during it would otherwise wait for all of it
         (seconds on a CPU); one layer is a small fraction of a step. Decode-only steps are short."""
-        if all(s.is_decode for s in scheduled):
+        if all(s.is_decode or s.is_verify for s in scheduled):
             return None
         ids = {s.seq.request_id for s in scheduled}
         pending = self.abort_requested
@@ -310,7 +321,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 if not seq.detokenizer.finished:
                     seq.detokenizer.flush()  # text held back for a possible stop string is final now
-                self.scheduler.finish(seq)
+                self._finish_seq(seq)
         self.flush_kv_events()
         return self._make_output(req)
 
@@ -351,7 +362,7 @@ class LLMEngine:
         self.num_steps += 1
         copies = self.block_manager.take_pending_copies()
         try:
-            sampled, result = self.runner.execute(sched.scheduled, copies=copies,
+            sampled = self.runner.execute(sched.scheduled, copies=copies,
                                                   between_layers=self._interrupt_check(sched.scheduled))
         except StepInterrupted:
             # Nothing of this step counts: no token computed, no block published (the partly
@@ -361,36 +372,34 @@ class LLMEngine:
         finally:
             self.block_manager.finish_copies(copies)
         for s in sched.scheduled:
+            if s.is_verify:
+                continue  # what it computed counts once the verification says which drafts stand
             if not s.is_decode:
                 self.num_prefill_tokens_computed += s.num_new_tokens
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.publish(s.seq)  # returns at once unless a new full block was computed
         touched: dict[str, Request] = {}
         now = time.monotonic()
-        for i, s in enumerate(sampled):
-            seq = s.seq
-            token = result.token_ids[i]
-            seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            if seq.stats.first_token_time is None:
-                seq.stats.first_token_time = now
-            lp = result.logprobs[i]
-            if seq.logprobs is not None and lp is not None:
-                seq.logprobs.append(self._logprob_entry(lp))
-                seq.cumulative_logprob += lp.logprob
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                # The mask allows only tokens the grammar takes, so this is a dead end (a bug or a
-                # grammar xgrammar cannot continue): end this request, never the step.
-                spec = seq.params.structured_outputs
-                kind = spec.kind if spec is not None else "grammar"
-                self._finish_with_error(seq, f"structured_outputs.{kind}: the grammar rejected token {token}; generation stopped")
-            else:
-                self._check_stop(seq, token)
-                if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated:
-                    seq.finish_reason = "stop"  # the grammar has ended (e.g. ignore_eos let its stop token through)
-                    seq.detokenizer.flush()
+        for out in sampled:
+            seq = out.seq
+            computed_before = seq.num_computed_tokens
+            kept = 0
+            for token, lp in zip(out.token_ids, out.logprobs):
+                kept += 1
+                self._append_token(seq, token, lp, now)
                 if seq.finish_reason is not None:
-                    self.scheduler.finish(seq)
+                    break
+            if out.scheduled.is_verify:
+                # The step wrote KV for the last token and every draft; only the last token and the
+                # kept drafts stand (a kept token is a draft unless it is the one sampled after them).
+                seq.num_computed_tokens = computed_before + 1 + min(out.num_accepted_drafts, kept)
+                if self.spec is not None:
+                    self.spec.record(seq, len(out.scheduled.draft_token_ids), out.num_accepted_drafts)
+                if seq.finish_reason is None:
+                    self.block_manager.trim(seq)  # blocks that held only rejected drafts go free
+                    self.block_manager.publish(seq)
+            if seq.finish_reason is not None:
+                self._finish_seq(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
         for req in touched.values():
             out = self._make_output(req)
@@ -399,6 +408,36 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp: Any, now: float) -> None:
+        """One sampled (or verified) token into seq: logprobs, grammar, stop checks; sets
+        finish_reason when it ends the sequence (the caller then finishes it)."""
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.stats.first_token_time is None:
+            seq.stats.first_token_time = now
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(self._logprob_entry(lp))
+            seq.cumulative_logprob += lp.logprob
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # The mask allows only tokens the grammar takes, so this is a dead end (a bug or a
+            # grammar xgrammar cannot continue): end this request, never the step.
+            spec = seq.params.structured_outputs
+            kind = spec.kind if spec is not None else "grammar"
+            seq.finish_reason, seq.error = "error", f"structured_outputs.{kind}: the grammar rejected token {token}; generation stopped"
+            if not seq.detokenizer.finished:
+                seq.detokenizer.flush()
+            return
+        self._check_stop(seq, token)
+        if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated:
+            seq.finish_reason = "stop"  # the grammar has ended (e.g. ignore_eos let its stop token through)
+            seq.detokenizer.flush()
+
+    def _finish_seq(self, seq: Sequence) -> None:
+        """Out of the scheduler (its blocks released) and out of the drafter's state."""
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.finish(seq)
 
     def _logprob_entry(self, lp: Any) -> dict[int, Logprob]:
         entry = {tid: Logprob(val, rank=r + 1) for r, (tid, val) in enumerate(lp.top)}
@@ -563,4 +602,5 @@ class LLMEngine:
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
+            "spec_decode": None if self.spec is None else self.spec.stats.as_dict(),
         }

@@ -1,7 +1,8 @@
 """One sequence's position in its grammar.
 
 Why a wrapper: the engine and the sampler should not know xgrammar's API, and the engine needs
-two facts per step only: did the grammar take the sampled token, and has it ended.
+two facts per step only: did the grammar take the sampled token, and has it ended (and, for
+speculative decoding, a rollback of drafts walked through it).
 
 Preemption by recompute keeps a sequence's output tokens (only their KV is recomputed, and no
 token is sampled until the recompute reaches the end), so the matcher is never rewound or
@@ -33,6 +34,16 @@ class SequenceMatcher:
         if ok:
             self.num_accepted += 1
         return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepts: a speculative draft walked through the grammar
+        (to cut drafts at the first token it rejects, and to mask each verified row) is undone."""
+        if num_tokens <= 0:
+            return
+        if num_tokens > self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: only {self.num_accepted} accepted")
+        self._matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens
 
     @property
     def is_terminated(self) -> bool:

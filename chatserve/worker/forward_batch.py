@@ -42,12 +42,15 @@ def build_forward_batch(
     block_size: int,
     device: torch.device,
     backend: AttentionBackend | None = None,
+    extend_num_logits: list[int] | None = None,
 ) -> ForwardBatch:
     """Pack decodes and prefill chunks into flat tensors and let `backend` (default: the torch
     reference) prepare its metadata.
 
     Decode sequence i has one new token at `decode_positions[i]`; extend sequence j computes
     `extend_tokens[j]` starting at position `extend_start_positions[j]` (its cached prefix length).
+    `extend_num_logits[j]` (when given, instead of `extend_need_logits`) is how many of its last rows
+    need logits: a speculative verification needs one per draft plus one.
     """
     if backend is None:
         from chatserve.attention.torch_backend import TorchAttentionBackend
@@ -58,14 +61,16 @@ def build_forward_batch(
     slots: list[int] = [table[p // block_size] * block_size + p % block_size for table, p in zip(decode_block_tables, decode_positions)]
     logits_rows: list[int] = list(range(len(decode_tokens)))
     offset = len(decode_tokens)
-    for tokens, start, table, need in zip(extend_tokens, extend_start_positions, extend_block_tables, extend_need_logits):
+    num_logits = extend_num_logits if extend_num_logits is not None else [int(need) for need in extend_need_logits]
+    for tokens, start, table, rows in zip(extend_tokens, extend_start_positions, extend_block_tables, num_logits):
         n = len(tokens)
+        if not 0 <= rows <= n:
+            raise ValueError(f"an extend of {n} tokens cannot need {rows} rows of logits")
         input_ids.extend(tokens)
         positions.extend(range(start, start + n))
         slots.extend(slots_of(table, start, start + n, block_size))
         offset += n
-        if need:
-            logits_rows.append(offset - 1)
+        logits_rows.extend(range(offset - rows, offset))
     layout = BatchLayout(
         decode_positions=list(decode_positions),
         decode_block_tables=list(decode_block_tables),

@@ -17,7 +17,8 @@ from chatserve.models.loader import ModelSource, iter_weights
 from chatserve.models.registry import model_class_for
 from chatserve.worker.forward_batch import build_forward_batch
 from chatserve.worker.kv_pool import plan_kv_pool
-from chatserve.worker.sampler import Sampler, SampleResult
+from chatserve.worker.sampler import Sampler, row_is_greedy
+from chatserve.worker.spec_verify import SampledSeq, SamplerRows, split_rows
 
 logger = logging.getLogger(__name__)
 
@@ -143,26 +144,35 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledSeq], copies: Sequence[tuple[int, int, int]] = (),
         between_layers: Callable[[], None] | None = None,
-    ) -> tuple[list[ScheduledSeq], SampleResult | None]:
+    ) -> list[SampledSeq]:
         """Run one forward pass; sample for every sequence whose chunk reaches its end.
 
         ``copies`` (from ``BlockManager.take_pending_copies``) are applied first.
         ``between_layers`` runs after every decoder layer; it may raise StepInterrupted to stop the
         pass (nothing is sampled; the KV written so far is partial and must not be trusted).
-        Returns the sequences that got a new token (in order) and the sample result.
+        Returns, in order, each sequence that got tokens: one, or for a speculative verification
+        the drafts that plain decoding would have produced plus the token after them.
         """
         self.copy_blocks(copies)
         self._zero_fresh_blocks(scheduled)
         decodes = [s for s in scheduled if s.is_decode]
         extends = [s for s in scheduled if not s.is_decode]
+
+        def new_tokens(s: ScheduledSeq) -> list[int]:
+            start = s.seq.num_computed_tokens
+            if s.draft_token_ids:  # the last real token, then the drafts
+                return [s.seq.token_ids[start], *s.draft_token_ids]
+            return s.seq.token_ids[start : start + s.num_new_tokens]
+
         batch = build_forward_batch(
             decode_tokens=[s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes],
             decode_positions=[s.seq.num_computed_tokens for s in decodes],
             decode_block_tables=[s.seq.block_table for s in decodes],
-            extend_tokens=[s.seq.token_ids[s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens] for s in extends],
+            extend_tokens=[new_tokens(s) for s in extends],
             extend_start_positions=[s.seq.num_computed_tokens for s in extends],
             extend_block_tables=[s.seq.block_table for s in extends],
             extend_need_logits=[s.completes_prompt for s in extends],
+            extend_num_logits=[s.num_logits for s in extends],
             block_size=self.block_size,
             device=self.device,
             backend=self.attention_backend,
@@ -170,17 +180,20 @@ class ModelRunner:
         sampled = [s for s in decodes + extends if s.completes_prompt]
         if batch.logits_indices.numel() == 0:
             self.model(batch, self.kv_cache, between_layers)  # prefill chunk only: fills the KV cache
-            return [], None
+            return []
         logits = self.model(batch, self.kv_cache, between_layers)
-        seqs = [s.seq for s in sampled]
-        result = self.sampler(
-            logits,
-            [s.params for s in seqs],
-            [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
-            [s.generator for s in seqs],
-            eos_token_ids=self.eos_token_ids,
-            grammars=[s.grammar for s in seqs],
-            logits_writable=True,  # fresh from the model each step and read by nobody else
-        )
-        return sampled, result
+        rows = SamplerRows.build(sampled, needs_draws=lambda p: not row_is_greedy(p))
+        try:
+            result = self.sampler(
+                logits,
+                rows.params,
+                rows.prompts,
+                rows.outputs,
+                rows.generators,
+                eos_token_ids=self.eos_token_ids,
+                grammars=rows.grammars,
+                logits_writable=True,  # fresh from the model each step and read by nobody else
+            )
+        finally:
+            rows.rewind_grammars()
+        return split_rows(sampled, result.token_ids, result.logprobs, rows)

@@ -87,7 +87,7 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
-        greedy = [_row_is_greedy(p) for p in params]
+        greedy = [row_is_greedy(p) for p in params]
 
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -130,7 +130,7 @@ class SamplingTensors:
         )
 
 
-def _row_is_greedy(params: SamplingParams) -> bool:
+def row_is_greedy(params: SamplingParams) -> bool:
     return params.is_greedy or params.temperature < _MIN_TEMPERATURE
 
 
@@ -488,7 +488,7 @@ class Sampler:
         if (
             not logprob_rows
             and not needs_min_tokens
-            and all(_row_is_greedy(p) and not p.has_penalties for p in params)
+            and all(row_is_greedy(p) and not p.has_penalties for p in params)
         ):
             # Common case: one argmax over the batch, no parameter tensors built.
             return SampleResult(token_ids=greedy_tokens(masked).tolist(), logprobs=[None] * batch)

@@ -1,0 +1,173 @@
+"""Speculative decoding (n-gram prompt lookup): outputs identical to plain decoding, token for token.
+
+Exactness rests on the batch-invariant kernels (a row's logits have the same bits whether it is
+verified among drafts or decoded alone) and on the sample-and-match acceptance, which draws the
+same random numbers plain decoding draws. So greedy *and* seeded outputs are compared for equality;
+each engine test also checks that drafts were actually accepted (else it would prove nothing), and
+that no KV block leaked.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chatserve import LLM, SamplingParams
+from chatserve.config import EngineArgs
+from chatserve.spec_decode.acceptance import accept_drafts
+from chatserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from chatserve.spec_decode.ngram import NgramDrafter
+
+CODE = (
+    "def compute_total(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+    "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n"
+)
+COPY = [{"role": "user", "content": "Repeat this function exactly, but rename compute_total to total_price:\n\n" + CODE}]
+QUOTE = [{"role": "user", "content": "Say back exactly: 'Order 1234 for Alice Smith, 3 boxes of green tea, ship to 12 Oak Street, Springfield.' Then say it again."}]
+FREE = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+# ---- units -----------------------------------------------------------------------------------
+def test_ngram_drafter_takes_the_continuation_of_the_latest_longest_match():
+    d = NgramDrafter(1, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    # the tail (1, 2, 3) last continued at index 7 with 7, 8
+    assert d.propose(0, tokens, 0, 3) == [7, 8, 1]
+    tokens += [7]
+    assert d.propose(0, tokens, 0, 2) == [8, 1]  # incremental index: (2, 3, 7) continues with 8
+    assert NgramDrafter(2, 3).propose(1, [5, 6, 7, 8], 0, 4) == []  # nothing repeats
+    assert d.propose(0, tokens, 0, 0) == []
+
+
+def test_ngram_drafter_prefers_the_longer_match():
+    d = NgramDrafter(1, 2)
+    # (4,) last continued with 9 (index 5), but the 2-gram (3, 4) continues with 5
+    tokens = [3, 4, 5, 6, 4, 9, 3, 4]
+    assert d.propose(0, tokens, 0, 1) == [5]
+
+
+def test_accept_drafts_keeps_the_matching_prefix():
+    assert accept_drafts([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accept_drafts([5, 6, 7], [5, 1, 7, 8]) == 1
+    assert accept_drafts([5], [4, 5]) == 0
+    with pytest.raises(ValueError):
+        accept_drafts([5], [5])
+
+
+def test_speculative_config_is_validated_and_names_the_field():
+    cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert cfg == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4)
+    assert parse_speculative_config(None) is None and parse_speculative_config("") is None
+    for bad, field in (
+        ({"method": "ngram", "num_lookahead": 3}, "speculative_config.num_lookahead"),
+        ({"method": "eagle"}, "speculative_config.method"),
+        ({"num_speculative_tokens": 3}, "speculative_config.method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
+        ({"method": "ngram", "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+    ):
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            parse_speculative_config(json.dumps(bad))
+    with pytest.raises(ValueError, match="JSON object"):
+        EngineArgs(speculative_config="{not json")
+
+
+# ---- the engine ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm_spec():
+    return LLM(max_model_len=2048, speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                                       "prompt_lookup_min": 2, "disable_by_batch_size": None})
+
+
+def _spec_stats(llm: LLM) -> dict:
+    return llm.engine.stats()["spec_decode"]
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    engine = llm.engine
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats["num_running"] == 0 and stats["num_locked_blocks"] == 0
+    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == stats["num_total_blocks"]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+def test_greedy_is_identical_alone_and_in_a_batch(llm_default, llm_spec):
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    before = _spec_stats(llm_spec)["num_accepted_tokens"]
+    for convo in (COPY, QUOTE):
+        assert _tokens(llm_spec.chat(convo, params)) == _tokens(llm_default.chat(convo, params))
+    assert _spec_stats(llm_spec)["num_accepted_tokens"] > before, "no draft was accepted: the test proves nothing"
+    batch = [COPY, QUOTE, FREE]
+    plain = _tokens(llm_default.chat(batch, params))
+    assert _tokens(llm_spec.chat(batch, params)) == plain
+    # hot prefix cache (the same prompts again) and a batch with n > 1 greedy choices
+    assert _tokens(llm_spec.chat(batch, params)) == plain
+    _assert_no_leak(llm_spec)
+
+
+def test_seeded_sampling_and_logprobs_are_identical(llm_default, llm_spec):
+    params = [SamplingParams(temperature=t, top_p=0.95, seed=s, max_tokens=80, ignore_eos=True, logprobs=2)
+              for t, s in ((0.7, 1), (1.0, 2), (0.3, 3))]
+    before = _spec_stats(llm_spec)["num_accepted_tokens"]
+    for p in params:
+        plain = llm_default.chat(COPY, p)[0].outputs[0]
+        spec = llm_spec.chat(COPY, p)[0].outputs[0]
+        assert list(spec.token_ids) == list(plain.token_ids)
+        assert [sorted(e.items()) for e in spec.logprobs] == [sorted(e.items()) for e in plain.logprobs]
+    assert _spec_stats(llm_spec)["num_accepted_tokens"] > before
+    n2 = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=64, ignore_eos=True)
+    assert _tokens(llm_spec.chat(COPY, n2)) == _tokens(llm_default.chat(COPY, n2))
+    _assert_no_leak(llm_spec)
+
+
+def test_stop_strings_max_tokens_and_opt_out(llm_default, llm_spec):
+    for p in (
+        SamplingParams(temperature=0, max_tokens=200, stop=["tax"], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),  # a draft would cross max_tokens
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, speculative_decoding=False),
+    ):
+        plain = llm_default.chat(COPY, p)[0].outputs[0]
+        spec = llm_spec.chat(COPY, p)[0].outputs[0]
+        assert (spec.text, list(spec.token_ids), spec.finish_reason) == (plain.text, list(plain.token_ids), plain.finish_reason)
+    assert len(spec.token_ids) == 60
+    before = _spec_stats(llm_spec)["num_drafts"]
+    llm_spec.chat(COPY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative_decoding=False))
+    assert _spec_stats(llm_spec)["num_drafts"] == before  # opted out: no draft verified
+    _assert_no_leak(llm_spec)
+
+
+def test_structured_output_drafts_follow_the_grammar(llm_default, llm_spec):
+    from chatserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 6}},
+              "required": ["items"]}
+    convo = [{"role": "user", "content": 'List six fruits as JSON: {"items": ["apple", "apple", ...]}'}]
+    p = SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema))
+    plain = llm_default.chat(convo, p)[0].outputs[0]
+    spec = llm_spec.chat(convo, p)[0].outputs[0]
+    assert list(spec.token_ids) == list(plain.token_ids)
+    assert spec.finish_reason == plain.finish_reason
+    _assert_no_leak(llm_spec)
+
+
+def test_abort_during_speculation_frees_everything(llm_spec):
+    engine = llm_spec.engine
+    tokenizer = engine.get_tokenizer()
+    prompt = list(tokenizer.encode(tokenizer.apply_chat_template(COPY, add_generation_prompt=True, tokenize=False)))
+    before = _spec_stats(llm_spec)["num_drafts"]
+    for i in range(3):
+        engine.add_request(f"spec-abort-{i}", {"prompt_token_ids": list(prompt)},
+                           SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    assert _spec_stats(llm_spec)["num_drafts"] > before
+    for i in range(3):
+        engine.abort_request(f"spec-abort-{i}")
+    assert not engine.has_unfinished_requests()
+    assert engine.spec is not None and engine.spec.num_tracked == 0
+    _assert_no_leak(llm_spec)

@@ -24,7 +24,8 @@ CODE = (
     "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n"
 )
 COPY = [{"role": "user", "content": "Repeat this function exactly, but rename compute_total to total_price:\n\n" + CODE}]
-QUOTE = [{"role": "user", "content": "Say back exactly: 'Order 1234 for Alice Smith, 3 boxes of green tea, ship to 12 Oak Street, Springfield.' Then say it again."}]
+QUOTE = [{"role": "user", "content": "Say back exactly: 'Order 1234 for Alice Smith, 3 boxes of green tea, "
+                                     "ship to 12 Oak Street, Springfield.' Then say it again."}]
 FREE = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
@@ -171,3 +172,32 @@ def test_abort_during_speculation_frees_everything(llm_spec):
     assert not engine.has_unfinished_requests()
     assert engine.spec is not None and engine.spec.num_tracked == 0
     _assert_no_leak(llm_spec)
+
+
+# ---- over HTTP, with the openai SDK ------------------------------------------------------------
+def test_server_speculative_config_usage_metrics_and_opt_out():
+    import openai
+
+    from tests.helpers.server import start_server
+
+    srv = start_server("--max-model-len", "1024", "--max-num-seqs", "4",
+                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        kwargs = dict(model=client.models.list().data[0].id, messages=COPY, temperature=0, max_tokens=64)
+        plain = client.chat.completions.create(**kwargs, extra_body={"speculative_decoding": False, "ignore_eos": True})
+        spec = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        usage = spec.usage.model_extra["chatserve"]["speculative"]
+        assert usage["accepted_tokens"] > 0 and usage["draft_tokens"] >= usage["accepted_tokens"]
+        assert "speculative" not in plain.usage.model_extra["chatserve"]  # opted out: nothing drafted
+        streamed = client.chat.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == plain.choices[0].message.content
+        metrics = srv.metrics()
+        assert metrics["chatserve:spec_decode_num_accepted_tokens_total"] > 0
+        assert metrics["chatserve:spec_decode_num_draft_tokens_total"] >= metrics["chatserve:spec_decode_num_accepted_tokens_total"]
+        with pytest.raises(openai.BadRequestError, match="speculative_decoding"):
+            client.chat.completions.create(**kwargs, extra_body={"speculative_decoding": "sometimes"})
+    finally:
+        srv.stop()

@@ -1,4 +1,5 @@
-"""The `chatserve` extension of `usage`: how much of the prompt the prefix cache served, and why not more.
+"""The `chatserve` extension of `usage`: how much of the prompt the prefix cache served, and why not more
+(and, with speculative decoding, how many draft tokens were verified and kept: `speculative`).
 
 OpenAI clients ignore unknown `usage` fields, so this rides next to
 `prompt_tokens_details.cached_tokens` in every reply, zeros included (see README "Why a request
@@ -34,4 +35,8 @@ def usage_extension(per_prompt: list[RequestStats | None]) -> dict[str, Any]:
     if len(reports) > 1:
         out["matched_tokens"] = sum(r["matched_tokens"] for r in reports)
         out["per_prompt"] = reports
+    drafts = sum(s.num_spec_draft_tokens for s in per_prompt if s is not None)
+    if drafts:
+        accepted = sum(s.num_spec_accepted_tokens for s in per_prompt if s is not None)
+        out["speculative"] = {"draft_tokens": drafts, "accepted_tokens": accepted}
     return out

@@ -61,6 +61,16 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Sequences preempted (recomputed later).", s.get("num_preemptions", 0))
         yield counter("prefill_tokens_computed", "Prompt tokens actually computed (cache hits excluded).",
                       s.get("num_prefill_tokens_computed", 0))
+        spec = s.get("spec_decode")
+        if spec is not None:  # speculative decoding on: vLLM's spec_decode_* counters
+            yield counter("spec_decode_num_drafts", "Verifications that had draft tokens.", spec["num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", spec["num_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec["num_accepted_tokens"])
+            per_pos = CounterMetricFamily("chatserve:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted at each draft position.", labels=labels + ["position"])
+            for pos, count in enumerate(spec["accepted_per_position"]):
+                per_pos.add_metric(values + [str(pos)], count)
+            yield per_pos
         misses = CounterMetricFamily("chatserve:prefix_cache_miss_reason",
                                      "Requests by why the prefix cache stopped where it did (none = full hit).",
                                      labels=labels + ["reason"])

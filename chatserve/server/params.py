@@ -62,6 +62,7 @@ def build_sampling_params(body: SamplingFields, max_tokens: int | None, logprobs
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            speculative_decoding=getattr(body, "speculative_decoding", True),
             output_kind="delta",
         )
     except ValueError as exc:

@@ -308,6 +308,8 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
+    # chatserve: opt this request out of the server's speculative decoding (same output, plain speed)
+    speculative_decoding: bool = True
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* spellings
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""Speculative decoding (n-gram) on vs off, three workloads, batch 1 and concurrency 8 (issue #32).
+
+Workloads: (a) code edit: repeat a ~300-token function with one identifier renamed; (b) an agent
+turn whose tool-call arguments (JSON, schema-constrained) quote the user's message; (c) free chat.
+Each engine (plain, speculative) is loaded once in this process; every prompt is run once untimed
+first so that both measure decode over a warm prefix cache. Prints decode tok/s (output tokens /
+wall time of the generate call), the ratio, the acceptance, and whether the tokens are identical
+to plain greedy decoding (they must be).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_spec_decode.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from chatserve import LLM, SamplingParams
+from chatserve.sampling_params import StructuredOutputsParams
+
+FIELDS = ["order_id", "customer_name", "shipping_address", "billing_address", "items", "discount_code",
+          "gift_message", "delivery_window", "phone_number", "email_address"]
+
+
+def code_function(name: str) -> str:
+    body = "\n".join(f"    {f} = record.get('{f}')\n    if {f} is None:\n        errors.append('missing {f}')" for f in FIELDS)
+    return f"def {name}(record, errors):\n{body}\n    return errors\n"
+
+
+def workloads(count: int) -> dict[str, list[tuple[list[dict], SamplingParams]]]:
+    out: dict[str, list] = {"code_edit": [], "tool_args": [], "free_chat": []}
+    people = ["Alice Smith", "Bob Jones", "Carla Diaz", "Dev Patel", "Eve Moreau", "Farid Khan", "Gina Rossi", "Hugo Berg"]
+    topics = ["the sea", "a mountain town", "autumn leaves", "a night train", "an old library", "the desert", "a city at dawn", "rain"]
+    schema = {"type": "object", "properties": {"to": {"type": "string"}, "body": {"type": "string"}},
+              "required": ["to", "body"]}
+    for i in range(count):
+        fn = code_function(f"validate_order_{i}")
+        out["code_edit"].append((
+            [{"role": "user", "content": f"Repeat this function exactly, renaming validate_order_{i} to check_order_{i}:\n\n{fn}"}],
+            SamplingParams(temperature=0, max_tokens=256)))
+        message = (f"Hi, this is {people[i]}. My order 10{i}42 arrived with two broken mugs and a missing teapot; "
+                   f"please send a replacement to 1{i} Oak Street, Springfield, before Friday. Thanks!")
+        out["tool_args"].append((
+            [{"role": "user", "content": f"Forward this customer message word for word to support@example.com "
+                                         f"with the send_email tool (arguments to and body):\n\n{message}"}],
+            SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=schema))))
+        out["free_chat"].append((
+            [{"role": "user", "content": f"Write a short poem about {topics[i]}."}],
+            SamplingParams(temperature=0, max_tokens=128)))
+    return out
+
+
+def run(llm: LLM, batch: list[tuple[list[dict], SamplingParams]]) -> tuple[float, list[list[int]]]:
+    convos = [c for c, _ in batch]
+    params = [p for _, p in batch]
+    llm.chat(convos, params)  # warm: prefix cache and grammar compile
+    t0 = time.perf_counter()
+    outs = llm.chat(convos, params)
+    wall = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return sum(len(t) for t in tokens) / wall, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-speculative-tokens", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    plain = LLM(max_model_len=2048)
+    spec = LLM(max_model_len=2048, speculative_config={"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens})
+    print(f"kernels: {plain.engine.runner.ops.describe()}")
+    loads = workloads(args.concurrency)
+    rows = []
+    for name, items in loads.items():
+        for conc in (1, args.concurrency):
+            batch = items[:conc]
+            before = dict(spec.engine.stats()["spec_decode"])
+            plain_tps, plain_tokens = run(plain, batch)
+            spec_tps, spec_tokens = run(spec, batch)
+            after = spec.engine.stats()["spec_decode"]
+            drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
+            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            row = {"workload": name, "concurrency": conc, "plain_tok_s": round(plain_tps, 1), "spec_tok_s": round(spec_tps, 1),
+                   "speedup": round(spec_tps / plain_tps, 2), "draft_tokens": drafts, "accepted_tokens": accepted,
+                   "acceptance": round(accepted / drafts, 3) if drafts else None,
+                   "output_tokens": sum(len(t) for t in spec_tokens), "identical": spec_tokens == plain_tokens}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| workload | concurrency | plain tok/s | spec tok/s | speedup | acceptance (drafts, run pair) | tokens identical |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['concurrency']} | {r['plain_tok_s']} | {r['spec_tok_s']} | {r['speedup']}x | "
+              f"{r['acceptance']} ({r['draft_tokens']}) | {r['identical']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -204,7 +204,8 @@ class EngineArgs:
     kv_events_topic: str = field(default="", metadata={"help": "ZMQ topic of the KV event messages"})
     speculative_config: str | None = field(default=None, metadata={
         "help": "speculative decoding without a draft model, as JSON in vLLM's shape, e.g. "
-                '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5}\' (method: ngram); '
+                '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' '
+                "(methods: ngram prompt lookup, suffix trees over the request and recent outputs); "
                 "greedy and seeded outputs stay token for token the same (default: off)"})
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from chatserve.config import EngineArgs
 from chatserve.spec_decode.acceptance import accept_drafts
 from chatserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from chatserve.spec_decode.ngram import NgramDrafter
+from chatserve.spec_decode.suffix import SuffixDrafter, SuffixTree
 
 CODE = (
     "def compute_total(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
@@ -48,6 +49,61 @@ def test_ngram_drafter_prefers_the_longer_match():
     assert d.propose(0, tokens, 0, 1) == [5]
 
 
+def _counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    out: dict[tuple[int, ...], int] = {}
+    stack = [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node.children.items():
+            out[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return out
+
+
+def test_suffix_tree_counts_every_substring_and_follows_the_most_frequent_branch():
+    tree = SuffixTree(4)
+    text = [1, 2, 3, 1, 2, 4, 1, 2, 3]
+    tree.insert(text)
+    counts = _counts(tree)
+    assert counts[(1, 2)] == 3 and counts[(1, 2, 3)] == 2 and counts[(1, 2, 4)] == 1
+    assert max(map(len, counts)) == 4 and tree.num_nodes == len(counts)
+    length, node = tree.match([9, 1, 2], 3)  # (9, 1, 2) never occurred; (1, 2) did, with continuations
+    assert length == 2 and node is not None
+    tokens, score = SuffixTree.draft(node, 3, 0.0)
+    assert tokens == [3, 1] and score == pytest.approx(2 / 3 + 2 / 3)  # (1, 2, 3, 1) then the depth ends
+    assert SuffixTree.draft(node, 3, 0.7)[0] == []  # 2/3 < min_token_prob
+    tree.remove(text)
+    assert tree.num_nodes == 0 and not tree.root.children
+
+
+def test_suffix_drafter_tree_grown_step_by_step_equals_one_built_at_once():
+    import random
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(5) for _ in range(900)]
+    drafter = SuffixDrafter(max_tree_depth=6)
+    for step in range(12):  # the first call indexes the newest tokens, later ones back-fill the rest
+        drafter.propose(0, tokens[: 700 + 3 * step], 0, 3)
+    whole = SuffixTree(6)
+    whole.insert(tokens[: 700 + 3 * 11])
+    assert _counts(drafter._requests[0].tree) == _counts(whole)
+
+
+def test_suffix_drafter_learns_from_finished_outputs_within_its_bound():
+    drafter = SuffixDrafter(max_tree_depth=8, max_cached_requests=2, max_spec_factor=2.0)
+    answer = [50, 51, 52, 53, 54, 55, 56]
+    assert drafter.propose(1, [7, 8, 50, 51], 2, 5) == []  # nothing seen yet
+    drafter.finish(1, [7, 8, *answer], 2)
+    # another request whose output starts the same way gets the rest of the earlier answer
+    assert drafter.propose(2, [9, 9, 9, 50, 51], 3, 4) == [52, 53, 54, 55]
+    assert drafter.propose(3, [9, 9, 9, 50], 3, 4) == [51, 52]  # spec factor 2 x a one-token match
+    drafter.finish(2, [9, 9, 9, 60, 61], 3)
+    drafter.finish(3, [9, 9, 9, 70, 71], 3)  # the third cached output evicts the first
+    assert drafter.num_cached_requests == 2
+    assert drafter.propose(4, [1, 50, 51], 1, 4) == []
+    assert not drafter._requests.keys() - {4}  # finished requests' own trees are gone
+
+
 def test_accept_drafts_keeps_the_matching_prefix():
     assert accept_drafts([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accept_drafts([5, 6, 7], [5, 1, 7, 8]) == 1
@@ -60,6 +116,9 @@ def test_speculative_config_is_validated_and_names_the_field():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert cfg == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4)
     assert parse_speculative_config(None) is None and parse_speculative_config("") is None
+    assert cfg.num_speculative_tokens == 3 and parse_speculative_config('{"method": "ngram"}').num_speculative_tokens == 5
+    suffix = parse_speculative_config('{"method": "suffix", "suffix_decoding_max_tree_depth": 12}')
+    assert suffix.num_speculative_tokens == 12  # the depth, capped at 16, as vLLM defaults it to the depth
     for bad, field in (
         ({"method": "ngram", "num_lookahead": 3}, "speculative_config.num_lookahead"),
         ({"method": "eagle"}, "speculative_config.method"),
@@ -67,6 +126,11 @@ def test_speculative_config_is_validated_and_names_the_field():
         ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
         ({"method": "ngram", "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+        ({"method": "suffix", "prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
+        ({"method": "ngram", "suffix_decoding_min_token_prob": 0.2}, "speculative_config.suffix_decoding_min_token_prob"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "speculative_config.suffix_decoding_min_token_prob"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "speculative_config.suffix_decoding_max_tree_depth"),
+        ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "speculative_config.suffix_decoding_max_cached_requests"),
     ):
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             parse_speculative_config(json.dumps(bad))
@@ -75,10 +139,15 @@ def test_speculative_config_is_validated_and_names_the_field():
 
 
 # ---- the engine ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llm_spec():
-    return LLM(max_model_len=2048, speculative_config={"method": "ngram", "num_speculative_tokens": 5,
-                                                       "prompt_lookup_min": 2, "disable_by_batch_size": None})
+SPEC_CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "disable_by_batch_size": None},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": None},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPEC_CONFIGS))
+def llm_spec(request):
+    return LLM(max_model_len=2048, speculative_config=SPEC_CONFIGS[request.param])
 
 
 def _spec_stats(llm: LLM) -> dict:

@@ -3,6 +3,7 @@ them in one forward pass and keeps the longest prefix that plain decoding would 
 
 Layer: below the engine, beside ``core`` (torch-free; the scheduler is handed a proposer, it does not
 import this package). ``config`` parses vLLM's ``speculative_config``; one file per drafter
-(``ngram``; a suffix-tree or draft-model drafter is one more); ``proposer`` picks the draft length per sequence and step; ``acceptance``
+(``ngram`` prompt lookup, ``suffix`` trees over this request and recent outputs; a draft model
+would be one more); ``proposer`` picks the draft length per sequence and step; ``acceptance``
 turns verified rows into accepted tokens.
 """

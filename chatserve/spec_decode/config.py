@@ -6,8 +6,17 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-SpecMethod = Literal["ngram"]
-SPEC_METHODS: tuple[str, ...] = ("ngram",)
+SpecMethod = Literal["ngram", "suffix"]
+SPEC_METHODS: tuple[str, ...] = ("ngram", "suffix")
+# options that only one method reads: given with the other method they are an error, not ignored
+_METHOD_OPTIONS: dict[str, frozenset[str]] = {
+    "ngram": frozenset({"prompt_lookup_min", "prompt_lookup_max"}),
+    "suffix": frozenset({
+        "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+    }),
+}
+MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -15,15 +24,24 @@ class SpeculativeConfig:
     """How drafts are made and how many are verified a step.
 
     ``num_speculative_tokens`` is the most draft tokens one sequence verifies in a step; the proposer
-    adapts below it (see ``proposer``). ``prompt_lookup_min/max`` bound the n-gram the ngram drafter
-    matches (vLLM's names). ``disable_by_batch_size``: no drafts while at least this many sequences
-    decode (a big batch is compute-bound: a rejected draft then costs a full token's work).
+    adapts below it (see ``proposer``); default 5 for ngram, and for suffix the tree depth capped at
+    16 (the suffix drafter cuts its own drafts by probability, as in vLLM, where it defaults to the
+    depth). ``prompt_lookup_min/max`` bound the n-gram the ngram drafter matches; the
+    ``suffix_decoding_*`` options are the suffix drafter's (vLLM's names and meanings, see
+    ``suffix``; ``max_cached_requests`` defaults to 256, not vLLM's 10,000, because our trees are
+    Python objects, a few MiB per cached response). ``disable_by_batch_size``: no drafts while at
+    least this many sequences decode (a big batch is compute-bound: a rejected draft then costs a
+    full token's work).
     """
 
     method: SpecMethod = "ngram"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 256
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int | None = 8
 
     def __post_init__(self) -> None:
@@ -32,12 +50,26 @@ class SpeculativeConfig:
 
         if self.method not in SPEC_METHODS:
             raise bad("method", f"must be one of {', '.join(SPEC_METHODS)}; got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        if self.num_speculative_tokens is None:
+            default = 5 if self.method == "ngram" else min(16, self.suffix_decoding_max_tree_depth)
+            object.__setattr__(self, "num_speculative_tokens", default)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, f"must be an integer >= 1; got {value!r}")
-        if self.num_speculative_tokens > 32:
-            raise bad("num_speculative_tokens", f"must be at most 32; got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}; got {self.num_speculative_tokens}")
+        if self.suffix_decoding_max_tree_depth < 2:
+            raise bad("suffix_decoding_max_tree_depth", f"must be at least 2; got {self.suffix_decoding_max_tree_depth}")
+        cached = self.suffix_decoding_max_cached_requests
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+            raise bad("suffix_decoding_max_cached_requests", f"must be an integer >= 0; got {cached!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise bad("suffix_decoding_max_spec_factor", f"must be a number > 0; got {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise bad("suffix_decoding_min_token_prob", f"must be a number in [0, 1]; got {prob!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None and (
@@ -50,8 +82,9 @@ class SpeculativeConfig:
 def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
     """A JSON text (the flag), a dict (``LLM(speculative_config=...)``) or a config; None: off.
 
-    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` as in vLLM; a key
-    we do not know is an error, never silently ignored.
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` or
+    ``{"method": "suffix", "suffix_decoding_min_token_prob": 0.2}`` as in vLLM; a key we do not know,
+    or one of the other method's, is an error, never silently ignored.
     """
     if value is None or isinstance(value, SpeculativeConfig):
         return value
@@ -69,5 +102,11 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     if unknown:
         raise ValueError(f"speculative_config.{unknown[0]} is not a known option (known: {', '.join(sorted(known))})")
     if "method" not in value:
-        raise ValueError("speculative_config.method is required (ngram)")
+        raise ValueError(f"speculative_config.method is required ({' or '.join(SPEC_METHODS)})")
+    method = value["method"]
+    for other, options in _METHOD_OPTIONS.items():
+        if other != method and method in _METHOD_OPTIONS:
+            given = sorted(options & set(value))
+            if given:
+                raise ValueError(f"speculative_config.{given[0]} applies to method {other}, not {method}")
     return SpeculativeConfig(**value)

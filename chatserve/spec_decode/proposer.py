@@ -68,7 +68,9 @@ class SpecProposer:
         self.config = config
         self.drafter = drafter
         self.max_model_len = max_model_len
-        self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        assert config.num_speculative_tokens is not None  # resolved by SpeculativeConfig
+        self.max_drafts: int = config.num_speculative_tokens
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * self.max_drafts)
         self._states: dict[int, _SeqState] = {}
 
     def propose(self, seq: Any, budget: int, num_decoding: int) -> list[int]:
@@ -79,7 +81,7 @@ class SpecProposer:
             return []
         if cfg.disable_by_batch_size is not None and num_decoding >= cfg.disable_by_batch_size:
             return []
-        state = self._states.setdefault(seq.seq_id, _SeqState(cfg.num_speculative_tokens))
+        state = self._states.setdefault(seq.seq_id, _SeqState(self.max_drafts))
         if state.skip > 0:
             state.skip -= 1
             return []
@@ -110,7 +112,7 @@ class SpecProposer:
         if state is None:
             return
         if num_accepted == num_drafts:
-            state.k = min(self.config.num_speculative_tokens, max(state.k, num_drafts) + 1)
+            state.k = min(self.max_drafts, max(state.k, num_drafts) + 1)
             state.misses = 0
         elif num_accepted > 0:
             state.k = num_accepted + 1
@@ -145,6 +147,18 @@ def _grammar_prefix(grammar: Any, drafts: list[int]) -> int:
 
 def make_proposer(config: SpeculativeConfig, max_model_len: int) -> SpecProposer:
     """The proposer of ``config.method`` (one drafter file per method)."""
-    from chatserve.spec_decode.ngram import NgramDrafter
+    drafter: Drafter
+    if config.method == "suffix":
+        from chatserve.spec_decode.suffix import SuffixDrafter
 
-    return SpecProposer(config, NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max), max_model_len)
+        drafter = SuffixDrafter(
+            max_tree_depth=config.suffix_decoding_max_tree_depth,
+            max_cached_requests=config.suffix_decoding_max_cached_requests,
+            max_spec_factor=float(config.suffix_decoding_max_spec_factor),
+            min_token_prob=float(config.suffix_decoding_min_token_prob),
+        )
+    else:
+        from chatserve.spec_decode.ngram import NgramDrafter
+
+        drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    return SpecProposer(config, drafter, max_model_len)

@@ -225,6 +225,73 @@ def test_structured_output_drafts_follow_the_grammar(llm_default, llm_spec):
     _assert_no_leak(llm_spec)
 
 
+def _homogeneity_p_value(a: dict, b: dict) -> float:
+    """Pearson's chi-square test that two samples come from one categorical distribution (the
+    p-value by Wilson-Hilferty's normal approximation; no scipy in the suite)."""
+    import math
+
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for k in keys:
+        total = a.get(k, 0) + b.get(k, 0)
+        for n, counts in ((na, a), (nb, b)):
+            expected = total * n / (na + nb)
+            stat += (counts.get(k, 0) - expected) ** 2 / expected
+    df = len(keys) - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+LETTERS = [{"role": "user", "content": "Continue this sequence of letters: a b a b b a b a a b a b b a b a a b a b"}]
+
+
+@pytest.fixture(scope="module")
+def plain_letter_counts(llm_default):
+    return _letter_counts(llm_default)
+
+
+def _letter_counts(llm: LLM, *, exact: bool = True) -> dict[int, int]:
+    """240 unseeded samples at temperature 1.5 of eight letters a/b (a regex keeps the vocabulary
+    tiny), counted by how many letters repeat the one two places back (the prompt's pattern is
+    what a draft copies; 0-1 and 5-6 pooled so every count is large enough for the test); the
+    global RNG is seeded so a run repeats."""
+    import collections
+
+    import torch
+
+    from chatserve.sampling_params import StructuredOutputsParams
+
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=1.5, max_tokens=40, structured_outputs=StructuredOutputsParams(regex="[ab]( [ab]){7}"))
+    texts = [o.outputs[0].text.replace(" ", "") for o in llm.chat([LETTERS] * 240, params)]
+    if exact:  # (an engine broken on purpose may end a sequence early)
+        assert all(len(t) == 8 for t in texts), texts
+    return dict(collections.Counter(min(5, max(1, sum(t[i] == t[i - 2] for i in range(2, len(t))))) for t in texts))
+
+
+def test_unseeded_sampling_keeps_the_distribution(llm_spec, plain_letter_counts, monkeypatch):
+    """Unseeded rows draw from the global RNG, and a verification draws one number per row, so the
+    tokens differ from plain decoding's; their distribution must not. Sample-and-match with a
+    drafter that proposes one token per position is the standard rejection sampling (accept with
+    p(draft); on rejection a token from p without the draft), so a chi-square test over a tiny
+    vocabulary must not tell the two apart, and must tell apart an acceptance that is wrong."""
+    if llm_spec.engine.speculative_config.method != "ngram":
+        pytest.skip("the acceptance is the same whatever the drafter: tested once, with ngram")
+    before = _spec_stats(llm_spec)["num_accepted_tokens"]
+    spec = _letter_counts(llm_spec)
+    assert _spec_stats(llm_spec)["num_accepted_tokens"] > before + 50, "too few drafts accepted to test anything"
+    assert sum(spec.values()) == 240
+    assert _homogeneity_p_value(plain_letter_counts, spec) > 1e-3, (plain_letter_counts, spec)
+    # the same test catches an acceptance that takes every draft (it then copies the prompt's pattern)
+    import chatserve.worker.spec_verify as spec_verify
+
+    monkeypatch.setattr(spec_verify, "accept_drafts", lambda drafts, sampled: len(drafts))
+    broken = _letter_counts(llm_spec, exact=False)
+    assert _homogeneity_p_value(plain_letter_counts, broken) < 0.05, (plain_letter_counts, broken)
+    _assert_no_leak(llm_spec)
+
+
 def test_abort_during_speculation_frees_everything(llm_spec):
     engine = llm_spec.engine
     tokenizer = engine.get_tokenizer()

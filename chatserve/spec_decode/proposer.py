@@ -134,14 +134,22 @@ class SpecProposer:
 
 
 def _grammar_prefix(grammar: Any, drafts: list[int]) -> int:
-    """How many of ``drafts`` the grammar takes in a row (the matcher is left where it was)."""
-    taken = 0
+    """How many of ``drafts`` the grammar takes in a row (the matcher is left where it was).
+
+    A draft that ends the grammar (its stop token, or the last character of a regex) is cut too: the
+    row after it would need a mask from a matcher that has terminated, and the verification's plain
+    step decides that token just as well.
+    """
+    walked = taken = 0
     for token in drafts:
         if not grammar.accept(token):
             break
-        taken += 1
-    if taken:
-        grammar.rollback(taken)
+        walked += 1
+        if grammar.is_terminated:
+            break
+        taken = walked
+    if walked:
+        grammar.rollback(walked)
     return taken
 
 

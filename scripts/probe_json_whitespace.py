@@ -93,8 +93,9 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit(f"server did not start; log: {log}")
 
 
-def one(url: str, model: str | None, fmt: dict[str, Any], seed: int, max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": PROMPT}], "response_format": fmt,
+def one(url: str, model: str | None, fmt: dict[str, Any], seed: int, max_tokens: int, extra: dict[str, Any],
+        prompt: str = PROMPT) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "response_format": fmt,
                             "temperature": 1.0, "seed": seed, "max_tokens": max_tokens, **extra}
     if model:
         body["model"] = model
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--server-arg", action="append", default=[], help="extra flag for the started server (repeatable)")
     ap.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    ap.add_argument("--prompt", default=PROMPT, help="the user message (default: %(default)r)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     extra = json.loads(args.extra_body)
@@ -138,11 +140,13 @@ def main() -> None:
     if url is None:
         proc, url, log = start_server(args.server_arg)
         print(f"started chatserve at {url} (log {log})", file=sys.stderr)
-    results: dict[str, Any] = {"max_tokens": args.max_tokens, "n": args.n, "temperature": 1.0, "formats": {}}
+    results: dict[str, Any] = {"max_tokens": args.max_tokens, "n": args.n, "temperature": 1.0, "prompt": args.prompt,
+                               "extra_body": extra, "formats": {}}
     try:
         for kind, fmt in FORMATS.items():
             with ThreadPoolExecutor(args.n) as pool:
-                replies = list(pool.map(lambda s, f=fmt: one(url, args.model, f, s, args.max_tokens, extra), range(args.n)))
+                replies = list(pool.map(lambda s, f=fmt: one(url, args.model, f, s, args.max_tokens, extra, args.prompt),
+                                        range(args.n)))
             ok = [parses(r["content"], kind) for r in replies]
             newline_runs = [bool(re.search(r"\n\s*\n\s*\n", r["content"])) for r in replies]
             row = {

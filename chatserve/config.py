@@ -10,6 +10,7 @@ import torch
 from chatserve.kernels.tiers import TIER_CHOICES, max_tier
 from chatserve.models.registry import MODEL_TYPES, check_architecture
 from chatserve.spec_decode.config import parse_speculative_config
+from chatserve.structured.config import DEFAULT_MAX_WHITESPACE, parse_structured_outputs_config
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "none", "gguf", "int8"]
@@ -207,6 +208,12 @@ class EngineArgs:
                 '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' '
                 "(methods: ngram prompt lookup, suffix trees over the request and recent outputs); "
                 "greedy and seeded outputs stay token for token the same (default: off)"})
+    structured_outputs_config: str | None = field(default=None, metadata={
+        "help": "structured outputs, as JSON in vLLM's shape: "
+                f'\'{{"max_whitespace": {DEFAULT_MAX_WHITESPACE}}}\' bounds each run of whitespace between the tokens of '
+                "every JSON grammar (json_object, json_schema, tool-call arguments, structural tags), "
+                '\'{"disable_any_whitespace": true}\' allows none (compact "," and ":"); a request may override '
+                f"both in structured_outputs (default: max_whitespace {DEFAULT_MAX_WHITESPACE})"})
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -232,6 +239,7 @@ class EngineArgs:
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         parse_speculative_config(self.speculative_config)  # LLM(speculative_config={...}) passes a dict
+        parse_structured_outputs_config(self.structured_outputs_config)  # (and structured_outputs_config={...})
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -75,7 +75,8 @@ class LLM:
         `tools` are OpenAI function tools: they are rendered into the prompt (the model's template if it
         renders tools, else the shipped xLAM one), `tool_choice` "required" / {"type": "function",
         "function": {"name": ...}} constrains the reply to well-formed calls ("auto": text or a call),
-        and each output's `tool_calls` holds the calls parsed from its text (`chatserve.tools.ToolCall`).
+        and each output's `tool_calls` holds the calls parsed from its text (`chatserve.tools.ToolCall`); an
+        output cut by max_tokens (finish_reason "length") inside a call holds it partial (`complete` False).
         """
         if not messages:
             raise ValueError("messages is empty")
@@ -104,7 +105,7 @@ class LLM:
         names = [t.name for t in choice.allowed(specs)]
         for out in outputs:
             for o in out.outputs:
-                o.tool_calls = parse_tool_calls(o.text, fmt, names).tool_calls
+                o.tool_calls = parse_tool_calls(o.text, fmt, names, truncated=o.finish_reason == "length").tool_calls
         return outputs
 
     def _run(self, prompts: list[ProcessedPrompt], params_list: list[SamplingParams]) -> list[RequestOutput]:

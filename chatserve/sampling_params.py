@@ -89,6 +89,14 @@ class StructuredOutputsParams:
 
       The legacy form ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (vLLM's
       older ``structural_tag`` response format) is accepted too and converted.
+
+    Two options (not kinds) shape the whitespace of every JSON grammar (json, json_object, and the
+    JSON inside a structural tag); None takes the engine's ``structured_outputs_config``:
+
+    - ``disable_any_whitespace``: no whitespace between JSON tokens, separators ``","`` and ``":"``.
+    - ``max_whitespace``: the longest run of whitespace between two JSON tokens (0: none).
+
+    Whitespace inside string values is never restricted. The options are part of :meth:`cache_key`.
     """
 
     json: dict[str, Any] | str | None = None
@@ -97,8 +105,13 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool | None = None
+    max_whitespace: int | None = None
 
     def __post_init__(self) -> None:
+        from chatserve.structured.config import check_whitespace_options
+
+        check_whitespace_options("structured_outputs", self.disable_any_whitespace, self.max_whitespace)
         chosen = [k for k in STRUCTURED_KINDS if self._is_set(k)]
         if len(chosen) != 1:
             got = ", ".join(chosen) if chosen else "none"
@@ -148,9 +161,16 @@ class StructuredOutputsParams:
             return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
         return str(value)
 
-    def cache_key(self) -> tuple[str, str]:
-        """What the grammar compiler's cache is keyed by: (kind, canonical spec)."""
-        return (self.kind, self.spec)
+    @property
+    def whitespace_key(self) -> str:
+        """The whitespace options as text ("" when neither is set: the engine's defaults apply)."""
+        if self.disable_any_whitespace is None and self.max_whitespace is None:
+            return ""
+        return f"disable_any_whitespace={self.disable_any_whitespace},max_whitespace={self.max_whitespace}"
+
+    def cache_key(self) -> tuple[str, str, str]:
+        """What the grammar compiler's cache is keyed by: (kind, canonical spec, whitespace options)."""
+        return (self.kind, self.spec, self.whitespace_key)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -36,6 +37,14 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Get
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 pytestmark = pytest.mark.timeout(600)
+
+# NOTE: greedy by default. CHATSERVE_COMPAT_TEMPERATURE=1.0 runs every structured and tool check here
+# sampled instead, seeded (CHATSERVE_COMPAT_SEED, default 0) so a run is repeatable: how issue #35
+# measured them (BENCHMARKS.md, "bounded JSON whitespace"); a sampled run reports pass counts, it is
+# not expected to pass every check with a 135M model.
+TEMPERATURE = float(os.environ.get("CHATSERVE_COMPAT_TEMPERATURE", "0"))
+SEED = int(os.environ.get("CHATSERVE_COMPAT_SEED", "0"))
+SAMPLED = "CHATSERVE_COMPAT_TEMPERATURE" in os.environ
 
 
 class Weather(BaseModel):
@@ -82,7 +91,8 @@ def check_call(call: Any, name: str) -> dict[str, Any]:
 def test_openai_forced_calls_validate_and_stream_the_same(client, tool_choice):
     name = "get_weather" if tool_choice == "required" else "get_time"
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
-                                       temperature=0, max_tokens=48, parallel_tool_calls=False)
+                                       temperature=TEMPERATURE, seed=SEED, max_tokens=48,
+                                       parallel_tool_calls=False)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None
@@ -90,7 +100,8 @@ def test_openai_forced_calls_validate_and_stream_the_same(client, tool_choice):
     args = check_call(call, name)
 
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
-                                            temperature=0, max_tokens=48, parallel_tool_calls=False, stream=True)
+                                            temperature=TEMPERATURE, seed=SEED, max_tokens=48, parallel_tool_calls=False,
+                                            stream=True)
     calls: dict[int, dict[str, Any]] = {}
     finish = None
     for chunk in stream:
@@ -119,7 +130,8 @@ def test_openai_parse_with_a_pydantic_model_20_of_20(client):
     def ask(i: int) -> Any:
         return client.chat.completions.parse(
             model=MODEL, messages=[{"role": "user", "content": f"Describe the weather in a European city, day {i}."}],
-            response_format=Weather, temperature=0.8, seed=i, max_tokens=64)
+            response_format=Weather, temperature=TEMPERATURE if SAMPLED else 0.8, seed=SEED * 100 + i,
+            max_tokens=64)
 
     with ThreadPoolExecutor(20) as pool:  # all 20 in one batch (the server's --max-num-seqs is 20)
         replies = list(pool.map(ask, range(20)))
@@ -166,12 +178,13 @@ def test_agents_function_tool_to_a_final_answer_and_output_type(server):
     # The SDK resets tool_choice after the first tool call (reset_tool_choice=True), so the second
     # call is "auto" and the model answers from the tool's result.
     agent = Agent(name="weather", instructions="Answer weather questions with the tool.", model=_agents_model(server),
-                  tools=[get_weather], model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40))
+                  tools=[get_weather], model_settings=ModelSettings(tool_choice="required", temperature=TEMPERATURE, max_tokens=40,
+                                               extra_body={"seed": SEED}))
 
     async def main() -> tuple[Any, Any]:
         answer = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
         typed = Agent(name="typed", instructions="Report the weather.", model=_agents_model(server), output_type=Weather,
-                      model_settings=ModelSettings(temperature=0, max_tokens=48))
+                      model_settings=ModelSettings(temperature=TEMPERATURE, max_tokens=48, extra_body={"seed": SEED}))
         return answer, await Runner.run(typed, "The weather in Rome: 25 degrees and sunny.", max_turns=1)
 
     answer, typed = asyncio.run(main())
@@ -184,8 +197,8 @@ def test_agents_function_tool_to_a_final_answer_and_output_type(server):
 def _chat_openai(server: ServerProcess, max_tokens: int = 48) -> Any:
     from langchain_openai import ChatOpenAI
 
-    return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY, temperature=0, max_tokens=max_tokens,
-                      max_retries=0, timeout=300)
+    return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY, temperature=TEMPERATURE, seed=SEED,
+                      max_tokens=max_tokens, max_retries=0, timeout=300)
 
 
 def test_langchain_bind_tools_and_with_structured_output(server):
@@ -194,9 +207,21 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     (call,) = msg.tool_calls
     assert call["name"] == "get_weather" and call["id"].startswith("call_")
     jsonschema.validate(call["args"], WEATHER_PARAMS)
-    for method in ("json_schema", "function_calling"):
-        out = llm.with_structured_output(Weather, method=method).invoke("The weather in London: 12 degrees, not sunny.")
-        assert isinstance(out, Weather), (method, out)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_langchain_with_structured_output(server, method):
+    llm = _chat_openai(server)
+    prompt = "The weather in London: 12 degrees, not sunny."
+    if method == "json_mode":
+        # json_mode sends response_format json_object: the schema reaches the model only through the
+        # prompt, so a 135M model's object is checked for being one (a dict schema: LangChain's JSON parser)
+        ask = f"{prompt} Reply in JSON with the keys city, temperature_c and sunny."
+        out = llm.with_structured_output(Weather.model_json_schema(), method=method).invoke(ask)
+        assert isinstance(out, dict), out
+        return
+    out = llm.with_structured_output(Weather, method=method).invoke(prompt)
+    assert isinstance(out, Weather), (method, out)
 
 
 def test_langgraph_react_agent_with_one_tool(server):
@@ -235,7 +260,7 @@ def test_pydantic_ai_tool_and_output_type(server):
 
     seen: list[str] = []
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=async_client(server)))
-    agent = Agent(model, output_type=Weather, model_settings={"temperature": 0, "max_tokens": 96})
+    agent = Agent(model, output_type=Weather, model_settings={"temperature": TEMPERATURE, "seed": SEED, "max_tokens": 96})
 
     async def once(ctx: Any, tool_def: Any) -> Any:
         """Offered until it has been called: then only pydantic-ai's final_result tool is left."""
@@ -252,3 +277,16 @@ def test_pydantic_ai_tool_and_output_type(server):
     result = agent.run_sync("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=4))
     assert isinstance(result.output, Weather)
     assert len(seen) == 1 and isinstance(seen[0], str)
+
+
+def test_pydantic_ai_native_output(server):
+    """NativeOutput: the output type as response_format json_schema, no tool call."""
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=async_client(server)))
+    agent = Agent(model, output_type=NativeOutput(Weather),
+                  model_settings={"temperature": TEMPERATURE, "seed": SEED, "max_tokens": 64})
+    result = agent.run_sync("The weather in Rome: 25 degrees and sunny.")
+    assert isinstance(result.output, Weather)

@@ -34,7 +34,7 @@ from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestS
 from chatserve.sampling_params import SamplingParams
 from chatserve.spec_decode.config import parse_speculative_config
 from chatserve.spec_decode.proposer import SpecProposer, make_proposer
-from chatserve.structured import GrammarCompilerService, SequenceMatcher
+from chatserve.structured import GrammarCompilerService, SequenceMatcher, parse_structured_outputs_config
 from chatserve.worker.model_runner import ModelRunner, StepInterrupted
 from chatserve.worker.sampler import make_generator
 
@@ -144,7 +144,9 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         # Structured outputs: compiled off the step (a worker thread); requests wait here meanwhile.
-        self.structured = GrammarCompilerService(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.structured_outputs_config = parse_structured_outputs_config(args.structured_outputs_config)
+        self.structured = GrammarCompilerService(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids),
+                                                 config=self.structured_outputs_config)
         self.waiting_for_grammar: dict[str, Request] = {}
         # How long step() may block for a grammar when nothing else can run (the offline loop would
         # spin otherwise). The async engine sets 0: it is woken by the future's callback instead.

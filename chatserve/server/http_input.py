@@ -34,7 +34,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 # Error types raised by the request models themselves (protocol.py) that are also the 400's `code`.
-_CODED = {"unsupported_field", "unsupported_content"}
+_CODED = {"unsupported_field", "unsupported_content", "unknown_field"}
 
 
 def _describe(err: ValidationError) -> tuple[str, str | None, str | None]:

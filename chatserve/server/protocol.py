@@ -203,7 +203,21 @@ class ResponseFormat(StrictModel):
 
 
 class StructuredOutputsField(StrictModel):
-    """vLLM's `structured_outputs` extra field (one kind set)."""
+    """vLLM's `structured_outputs` extra field: at most one kind, and the JSON whitespace options.
+
+    `disable_any_whitespace` / `max_whitespace` override the server's `--structured-outputs-config`
+    for this request's JSON grammar (whichever field it came from: response_format, tools, this).
+    A key we do not know is a 400 naming it (vLLM #48765: never silently ignored); vLLM's options
+    we do not implement are accepted only with their neutral values.
+    """
+
+    refused: ClassVar[Mapping[str, Refusal]] = {
+        "disable_fallback": (_unset, "structured_outputs.disable_fallback (there is one backend, xgrammar)"),
+        "disable_additional_properties": (_unset, "structured_outputs.disable_additional_properties"),
+        "whitespace_pattern": (lambda v: v == "", "structured_outputs.whitespace_pattern (use max_whitespace or "
+                                                  "disable_any_whitespace)"),
+        "backend": (lambda v: v in ("auto", "xgrammar"), "structured_outputs backends other than xgrammar"),
+    }
 
     json_schema: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
     regex: str | None = None
@@ -211,8 +225,27 @@ class StructuredOutputsField(StrictModel):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool | None = None
+    max_whitespace: Annotated[int, Field(ge=0)] | None = None
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_options_only(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | {"json"} | set(cls.refused)
+        for key in data:
+            if key not in known:
+                names = ", ".join(sorted((set(cls.model_fields) - {"json_schema"}) | {"json"}))
+                raise field_error(str(key)[:64], f"{str(key)[:64]!r} is not a known structured_outputs option "
+                                                 f"(known: {names})", "unknown_field")
+        return data
+
+    def whitespace_options(self) -> dict[str, Any]:
+        """The whitespace options this request set (for StructuredOutputsParams), none if unset."""
+        return {k: getattr(self, k) for k in ("disable_any_whitespace", "max_whitespace") if getattr(self, k) is not None}
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputsField:

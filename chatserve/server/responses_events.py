@@ -53,7 +53,8 @@ class OutputBuilder:
 
     def finish(self, item_status: str = "completed") -> list[dict[str, Any]]:
         """Flush the parser and close what is open; `item_status` "incomplete" for a cut-off reply."""
-        events = self._events(self._parser.finish()) if self._parser is not None else []
+        truncated = item_status == "incomplete"
+        events = self._events(self._parser.finish(truncated)) if self._parser is not None else []
         return events + self._close_message(item_status)
 
     # ---- items ----------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ class OutputBuilder:
         out.append({"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
                     "delta": call.arguments})
         item["arguments"] = call.arguments
-        item["status"] = "completed"
+        item["status"] = "completed" if call.complete else "incomplete"  # (cut by max_output_tokens)
         out.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
                     "name": call.name, "arguments": call.arguments})
         out.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})

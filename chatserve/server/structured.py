@@ -9,6 +9,7 @@ tool_choice "auto" a response_format JSON schema joins the tool grammar (a call,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +89,18 @@ def _from_structured_fields(body: SamplingFields) -> Constraint | None:
 
 
 def request_constraint(body: SamplingFields, plan: ToolPlan | None) -> Constraint | None:
-    """The one constraint of this request (see the module docstring for precedence), or None."""
+    """The one constraint of this request (see the module docstring for precedence), or None, with
+    the request's `structured_outputs` whitespace options (disable_any_whitespace, max_whitespace) on
+    it whichever field it came from (a JSON grammar honours them; the server's config fills the rest)."""
+    constraint = _request_constraint(body, plan)
+    so = body.structured_outputs
+    options = so.whitespace_options() if so is not None else {}
+    if constraint is None or not options:
+        return constraint
+    return Constraint(dataclasses.replace(constraint.params, **options), constraint.param)
+
+
+def _request_constraint(body: SamplingFields, plan: ToolPlan | None) -> Constraint | None:
     if plan is not None and plan.parses_calls:
         for i, tool in enumerate(plan.tools):
             if tool.parameters is not None:

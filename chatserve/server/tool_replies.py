@@ -4,7 +4,9 @@
 text that cannot be part of a call streams as `delta.content` at once; a possible opening
 `<tool_call>` is held back until it is known; a complete call streams as OpenAI does, one chunk
 with its `index`, `id`, `type` and `function.name` (arguments ""), then one with its
-`function.arguments`. A choice that called tools and stopped finishes with "tool_calls". The
+`function.arguments`. A choice that called tools and stopped finishes with "tool_calls"; one cut
+by max_tokens inside a call finishes with "length", its partial call (name, arguments as
+generated) in `tool_calls` as vLLM sends a named tool choice, never the call's markup as text. The
 accumulated raw text (what a session stores) is untouched; only its presentation changes.
 """
 
@@ -38,7 +40,7 @@ class ToolChatFormat(ChatFormat):
         parser = self._parser(d.index)
         events = parser.feed(d.text) if d.text else []
         if d.finish_reason:
-            events += parser.finish()
+            events += parser.finish(truncated=d.finish_reason == "length")
         out = self._event_choices(d.index, events)
         if d.logprobs and d.token_ids:  # logprobs ride on a content chunk (empty while text is held back)
             if out and "content" in out[0]["delta"]:
@@ -68,7 +70,8 @@ class ToolChatFormat(ChatFormat):
     def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
         choice = super().whole_choice(acc, index)
         c = acc.choices[index]
-        parsed = parse_tool_calls(c.content, self.plan.format, [t.name for t in self.plan.choice.allowed(self.plan.tools)])
+        parsed = parse_tool_calls(c.content, self.plan.format, [t.name for t in self.plan.choice.allowed(self.plan.tools)],
+                                  truncated=c.finish_reason == "length")
         if parsed.tool_calls:
             choice["message"]["content"] = parsed.content
             choice["message"]["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chatserve.sampling_params import StructuredOutputsParams
+from chatserve.structured.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:  # imported where used: xgrammar (its C++ library, tvm_ffi, tiktoken) is ~20 MiB
     import xgrammar as xgr  # of resident memory that an engine serving no grammar never needs
 
-CacheKey = tuple[str, str]
+CacheKey = tuple[str, str, str]
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /project/cpp/file.cc:123: "; users need the rest.
 _CPP_LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -40,9 +41,9 @@ _WHAT = {
     "json_object": "JSON object grammar",
     "structural_tag": "structural tag",
 }
-# NOTE: free whitespace in JSON lets a small model loop on newlines until max_tokens; a run of
-# more than this many whitespace characters between tokens is never needed for readable JSON.
-MAX_JSON_WHITESPACE = 16
+# The kinds whose grammar is (or holds) JSON: the whitespace options apply to them only.
+JSON_KINDS = frozenset({"json", "json_object", "structural_tag"})
+# (the bound itself: structured/config.py, DEFAULT_MAX_WHITESPACE and the engine's structured_outputs_config)
 
 
 class StructuredOutputError(ValueError):
@@ -75,30 +76,92 @@ def _choice_ebnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _structural_tag_text(value: dict[str, Any] | str) -> str:
-    """The structural tag as xgrammar's JSON; the legacy vLLM shape ({structures, triggers}) is converted."""
+@dataclass(frozen=True)
+class Whitespace:
+    """How a JSON grammar spends whitespace between tokens: ``compact`` (none at all, separators
+    ``","`` and ``":"``) or runs of at most ``max_run`` characters (``max_run`` >= 1)."""
+
+    compact: bool
+    max_run: int
+
+    @classmethod
+    def resolve(cls, spec: StructuredOutputsParams, config: StructuredOutputsConfig) -> Whitespace:
+        """The request's options where set, else the engine's; a bound of 0 is compact."""
+        disable = spec.disable_any_whitespace if spec.disable_any_whitespace is not None else config.disable_any_whitespace
+        max_run = spec.max_whitespace if spec.max_whitespace is not None else config.max_whitespace
+        return cls(True, 0) if disable or max_run == 0 else cls(False, max_run)
+
+    def json_schema_kwargs(self) -> dict[str, Any]:
+        """xgrammar's compile_json_schema / Grammar.from_json_schema arguments.
+
+        NOTE: any_whitespace=False alone takes xgrammar's default separators (", ", ": "), which make
+        a space mandatory after every comma and colon (and ban a bare `"` there: vLLM #58067); the
+        compact separators make the grammar exactly json.dumps(..., separators=(",", ":")).
+        """
+        if self.compact:
+            return {"any_whitespace": False, "separators": (",", ":")}
+        return {"any_whitespace": True, "max_whitespace_cnt": self.max_run}
+
+
+def _bound_structural_json(node: Any, ws: Whitespace) -> Any:
+    """The structural tag's format tree with every JSON content's whitespace bounded (a copy).
+
+    xgrammar's structural-tag `json_schema` format takes `max_whitespace_cnt` (a positive bound) but
+    no compact mode: a compact one becomes a `grammar` format holding the EBNF of
+    Grammar.from_json_schema(..., any_whitespace=False, separators=(",", ":")). A bound the tag
+    sets itself is kept (it is the more specific), as are contents with options a conversion would
+    lose (any_order, excludes, non-JSON styles): those get a bound of 1 when compact.
+    """
+    if isinstance(node, list):
+        return [_bound_structural_json(x, ws) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") != "json_schema" or "json_schema" not in node:
+        return {k: _bound_structural_json(v, ws) for k, v in node.items()}
+    out = dict(node)
+    if out.get("max_whitespace_cnt") is not None:
+        return out
+    plain = set(out) <= {"type", "json_schema", "style", "max_whitespace_cnt"} and out.get("style", "json") == "json"
+    if ws.compact and plain:
+        import xgrammar as xgr
+
+        schema = out["json_schema"]
+        grammar = xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                               **ws.json_schema_kwargs())
+        return {"type": "grammar", "grammar": str(grammar)}
+    out["max_whitespace_cnt"] = 1 if ws.compact else ws.max_run
+    return out
+
+
+def _structural_tag_text(value: dict[str, Any] | str, ws: Whitespace | None = None) -> str:
+    """The structural tag as xgrammar's JSON; the legacy vLLM shape ({structures, triggers}) is converted;
+    with `ws`, the whitespace of its JSON contents is bounded."""
     data = json.loads(value) if isinstance(value, str) else value
     if isinstance(data, dict) and "structures" in data and "format" not in data:
         import xgrammar as xgr
 
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=s.get("schema", {}), end=s["end"]) for s in data["structures"]]
-        return xgr.StructuralTag.from_legacy_structural_tag(items, list(data.get("triggers", []))).model_dump_json()
+        data = json.loads(xgr.StructuralTag.from_legacy_structural_tag(items, list(data.get("triggers", []))).model_dump_json())
+    if ws is not None:
+        data = _bound_structural_json(data, ws)
     return json.dumps(data)
 
 
-def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    """One spec through xgrammar; any failure becomes a StructuredOutputError naming the kind."""
+def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams,
+                 config: StructuredOutputsConfig | None = None) -> xgr.CompiledGrammar:
+    """One spec through xgrammar; any failure becomes a StructuredOutputError naming the kind.
+
+    Every JSON grammar gets the whitespace of `Whitespace.resolve(spec, config)`."""
     kind = spec.kind
+    ws = Whitespace.resolve(spec, config or StructuredOutputsConfig())
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return compiler.compile_json_schema(schema, **ws.json_schema_kwargs())
         if kind == "json_object":
             # NOTE: not compile_builtin_json_grammar: its root also takes a top-level array, and
             # OpenAI's json_object promises an object. strict_mode=False lets any property in.
-            return compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=True, strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
-            )
+            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws.json_schema_kwargs())
         if kind == "regex":
             assert spec.regex is not None
             return compiler.compile_regex(spec.regex)
@@ -109,7 +172,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -
             assert spec.grammar is not None
             return compiler.compile_grammar(spec.grammar)
         assert spec.structural_tag is not None
-        return compiler.compile_structural_tag(_structural_tag_text(spec.structural_tag))
+        return compiler.compile_structural_tag(_structural_tag_text(spec.structural_tag, ws))
     except StructuredOutputError:
         raise
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, pydantic errors...
@@ -131,8 +194,10 @@ class GrammarCompilerService:
         stop_token_ids: Sequence[int],
         *,
         cache_size: int = 256,
+        config: StructuredOutputsConfig | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self.config = config or StructuredOutputsConfig()
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
@@ -146,10 +211,19 @@ class GrammarCompilerService:
         self._compile_seconds = 0.0
 
     # ---- public ----------------------------------------------------------------------------------
+    def cache_key(self, spec: StructuredOutputsParams) -> CacheKey:
+        """What this spec's grammar is cached under: its kind, its canonical text and, for the JSON
+        kinds, the whitespace it compiles with (the request's options over this engine's config), so
+        two requests share a grammar exactly when they compile the same one."""
+        if spec.kind not in JSON_KINDS:
+            return (spec.kind, spec.spec, "")
+        ws = Whitespace.resolve(spec, self.config)
+        return (spec.kind, spec.spec, "compact" if ws.compact else f"max_whitespace={ws.max_run}")
+
     def submit(self, spec: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         """A future of the compiled grammar (already done on a cache hit); its exception is a
         StructuredOutputError. Never blocks on a compile."""
-        key = spec.cache_key()
+        key = self.cache_key(spec)
         with self._lock:
             cached = self._lookup(key)
             if cached is not None:
@@ -210,7 +284,7 @@ class GrammarCompilerService:
 
     def _compile_uncached(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The one place xgrammar compiles (tests slow it down here to check nobody waits on it)."""
-        return compile_spec(self._xgr_compiler(), spec)
+        return compile_spec(self._xgr_compiler(), spec, self.config)
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:

@@ -48,6 +48,135 @@ def _as_call(item: Any) -> tuple[str, dict[str, Any]] | None:
     return item["name"], args
 
 
+_WS = " \t\n\r"
+CUT_KEY = "\x00"  # marks a member name cut before its closing quote (_partial_object)
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the JSON value starting at `i` ends (one past it); None if `text` ends first. Assumes a
+    well-formed prefix (what a grammar let through): only strings and nesting are tracked."""
+    if i >= len(text):
+        return None
+    if text[i] not in '"{[':  # a number, true, false or null: up to the next delimiter
+        for j in range(i, len(text)):
+            if text[j] in _WS or text[j] in ",}]":
+                return j
+        return None
+    depth, in_string, escaped = 0, False, False
+    for j in range(i, len(text)):
+        ch = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 0:
+                    return j + 1
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def _partial_string(text: str) -> str:
+    """The characters of a string literal cut before its closing quote (`text` starts after the opening one)."""
+    for cut in (text, text[:-1], text[:-2], text[:-3], text[:-4], text[:-5]):  # a cut escape sequence
+        try:
+            return str(json.loads('"' + cut + '"'))
+        except ValueError:
+            continue
+    return ""
+
+
+def _partial_object(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
+    """The members of the object starting at `text[i] == "{"`, cut anywhere: {key: (value start, value
+    end or None)}, and where the object ends (None: cut). A key cut in the middle is CUT_KEY + its prefix."""
+    members: dict[str, tuple[int, int | None]] = {}
+    i = _skip_ws(text, i + 1)
+    while i < len(text):
+        if text[i] == "}":
+            return members, i + 1
+        if text[i] == ",":
+            i = _skip_ws(text, i + 1)
+            continue
+        if text[i] != '"':
+            return members, None
+        key_end = _value_end(text, i)
+        if key_end is None:
+            members[CUT_KEY + _partial_string(text[i + 1:])] = (len(text), None)
+            return members, None
+        key = str(json.loads(text[i:key_end]))
+        i = _skip_ws(text, key_end)
+        if i >= len(text) or text[i] != ":":
+            members[key] = (len(text), None)
+            return members, None
+        start = _skip_ws(text, i + 1)
+        end = _value_end(text, start)
+        members[key] = (start, end)
+        if end is None:
+            return members, None
+        i = _skip_ws(text, end)
+    return members, None
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A call read out of a block that was cut off (max_tokens): its arguments are the text as far as
+    it was generated (`complete`: they are a whole JSON value, normalised like a finished call's)."""
+
+    name: str
+    arguments: str
+    complete: bool
+
+
+def _name_of(text: str, members: dict[str, tuple[int, int | None]], known: list[str]) -> str | None:
+    """The call's function: its whole name if known, else the one known name its cut name (or, with
+    no name written yet, the one known name) can be."""
+    span = members.get("name")
+    if span is not None and span[1] is not None:
+        name = json.loads(text[span[0]:span[1]])
+        return name if isinstance(name, str) and name in known else None
+    if span is not None:  # cut inside the name's string
+        prefix = _partial_string(text[span[0] + 1:]) if text[span[0]:span[0] + 1] == '"' else ""
+    else:
+        cut_keys = [k[1:] for k in members if k.startswith(CUT_KEY)]
+        if any(k for k in members if not k.startswith(CUT_KEY)) or (cut_keys and not "name".startswith(cut_keys[0])):
+            return None
+        prefix = ""
+    matches = [n for n in known if n.startswith(prefix)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _partial_call(text: str, start: int, known: list[str]) -> tuple[PartialCall | None, int | None]:
+    members, end = _partial_object(text, start)
+    name = _name_of(text, members, known)
+    if name is None:
+        return None, end
+    span = members.get("arguments", members.get("parameters"))
+    if span is None:
+        return PartialCall(name, "", False), end
+    raw = text[span[0]:span[1] if span[1] is not None else len(text)]
+    if span[1] is not None:
+        try:
+            return PartialCall(name, json.dumps(json.loads(raw), ensure_ascii=False), True), end
+        except ValueError:
+            pass
+    return PartialCall(name, raw, False), end
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """One way of spelling calls; `list_in_block` says whether a block holds a list (xLAM) or one call (Hermes)."""
@@ -68,6 +197,37 @@ class ToolFormat:
         if not calls or any(c is None for c in calls):
             return None
         return [c for c in calls if c is not None]
+
+    def partial_calls_in_block(self, inner: str, known: list[str]) -> list[PartialCall] | None:
+        """The calls of a block that was cut off before its closing: the finished ones and the one the
+        cut fell in (its name, and its arguments as generated so far); None if no call can be named."""
+        i = _skip_ws(inner, 0)
+        calls: list[PartialCall] = []
+        if self.list_in_block:
+            if i >= len(inner):
+                return [PartialCall(known[0], "", False)] if len(known) == 1 else None
+            if inner[i] != "[":
+                return None
+            i = _skip_ws(inner, i + 1)
+            while i < len(inner) and inner[i] == "{":
+                call, end = _partial_call(inner, i, known)
+                if call is None:
+                    break
+                calls.append(call)
+                if end is None:
+                    break
+                i = _skip_ws(inner, end)
+                if i < len(inner) and inner[i] == ",":
+                    i = _skip_ws(inner, i + 1)
+            if not calls and i >= len(inner) and len(known) == 1:
+                calls.append(PartialCall(known[0], "", False))
+            return calls or None
+        if i >= len(inner):
+            return [PartialCall(known[0], "", False)] if len(known) == 1 else None
+        if inner[i] != "{":
+            return None
+        call, _ = _partial_call(inner, i, known)
+        return [call] if call is not None else None
 
     def block_tags(self, tools: list[FunctionTool], parallel: bool) -> list[dict[str, Any]]:
         """Structural `tag` formats, each matching one whole block that calls one of `tools`."""

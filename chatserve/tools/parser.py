@@ -5,6 +5,10 @@ the detokenizer holds back a possible stop string: plain text is released as soo
 be part of an opening, a block is released as one call event once its closing has arrived. A
 block that does not parse as calls of known functions is released as plain text, so nothing the
 model wrote is ever lost, and both ways give the same calls for the same text.
+
+A reply cut off by its token budget (`truncated`, finish_reason "length") inside a block gives the
+calls as far as they were generated (`ToolCall.complete` False: the name, and the arguments so
+far), as vLLM does for a named tool choice, rather than the block's markup as text.
 """
 
 from __future__ import annotations
@@ -84,8 +88,20 @@ class ToolCallStreamParser:
                 events.append(TextEvent(ready))
             return events
 
-    def finish(self) -> list[StreamEvent]:
-        """The end of the reply: whatever is still held back (an unclosed block is text) comes out."""
+    def finish(self, truncated: bool = False) -> list[StreamEvent]:
+        """The end of the reply: whatever is still held back comes out. An unclosed block is text,
+        unless the reply was `truncated` (cut by max_tokens) and its calls can be named: then they
+        come out as calls, the last one partial."""
+        if truncated and self._in_block:
+            partial = self.fmt.partial_calls_in_block(self._buffer, sorted(self.known))
+            if partial is not None:
+                self._buffer, self._in_block = "", False
+                events: list[StreamEvent] = []
+                for p in partial:
+                    call = ToolCall(self.make_id(), p.name, p.arguments, complete=p.complete)
+                    events.append(CallEvent(len(self.calls), call))
+                    self.calls.append(call)
+                return events
         rest = (self.fmt.opening if self._in_block else "") + self._buffer
         self._buffer, self._in_block = "", False
         return [TextEvent(rest)] if rest else []
@@ -103,10 +119,11 @@ class ToolCallStreamParser:
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat, known_names: Collection[str],
-                     make_id: Callable[[], str] = new_call_id) -> ParsedReply:
-    """A whole reply: its text (None if it was only calls and whitespace) and its calls."""
+                     make_id: Callable[[], str] = new_call_id, truncated: bool = False) -> ParsedReply:
+    """A whole reply: its text (None if it was only calls and whitespace) and its calls (`truncated`:
+    the reply was cut by max_tokens, so a block it left open holds partial calls)."""
     parser = ToolCallStreamParser(fmt, known_names, make_id)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(truncated)
     content = "".join(e.text for e in events if isinstance(e, TextEvent))
     if parser.calls and not content.strip():
         return ParsedReply(None, parser.calls)

@@ -55,11 +55,15 @@ class FunctionTool:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A parsed call: `arguments` is the JSON text of the arguments object, as OpenAI sends it."""
+    """A parsed call: `arguments` is the JSON text of the arguments object, as OpenAI sends it.
+
+    `complete` is False for a call the reply's token budget cut off (finish_reason "length"): its
+    arguments are what was generated, which need not be valid JSON yet."""
 
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}

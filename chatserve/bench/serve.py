@@ -241,8 +241,10 @@ class _Bench:
                              f"answered HTTP {r.status_code}; against other servers use --dataset-name sharegpt-like")
         return str(r.json()["id"])
 
-    async def probe(self, s: SampleRequest) -> None:
-        """One short request first, as vLLM's initial test run: a wrong URL, model or endpoint fails here, clearly."""
+    async def probe(self) -> None:
+        """One short request first, as vLLM's initial test run: a wrong URL, model or endpoint fails here,
+        clearly. Not a dataset request: it would put that prompt in the prefix cache before the run."""
+        s = SampleRequest([{"role": "user", "content": "Benchmark probe: say hello."}], 8, 2)
         session_id = await self.new_session() if self.args.dataset_name == "sessions" else None
         try:
             first = await self.one(s, 2, session_id)
@@ -291,7 +293,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         samples = get_samples(args)
         units = conversations(samples)
         index = {id(s): i for i, s in enumerate(samples)}
-        await bench.probe(units[0][0])
+        await bench.probe()
         for k in range(args.num_warmups):
             await bench.one(samples[k % len(samples)])
         print(f"Traffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness}"

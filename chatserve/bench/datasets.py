@@ -83,7 +83,7 @@ def sharegpt_like_requests(num: int, input_median: int = 256, output_len: int | 
                            max_input_len: int = 1536) -> list[SampleRequest]:
     rng = random.Random(seed)
     out = []
-    for i in range(num):
+    for _ in range(num):
         history: list[dict[str, str]] = []
         for _ in range(rng.choice((0, 0, 0, 1, 1, 2, 3))):
             history.append({"role": "user", "content": cap(fill(rng.choice(QUESTIONS), rng))})

@@ -129,8 +129,8 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float, t0: float
 
 def _row(name: str, value: Any, precision: int | None = None) -> str:
     if precision is None:
-        return "{:<40} {:<10}".format(name, value)
-    return "{:<40} {:<10.{p}f}".format(name, value, p=precision)
+        return f"{name:<40} {value!s:<10}"
+    return f"{name:<40} {value:<10.{precision}f}"
 
 
 def format_summary(result: dict[str, Any], metrics: Sequence[str], percentiles: Sequence[float]) -> str:

@@ -40,7 +40,7 @@ serve: setup
 cluster: setup-redis
 	$(PY) -m chatserve cluster --host $(HOST) --port $(PORT) $(if $(REDIS_URL),--redis-url $(REDIS_URL)) $(CLUSTER_ARGS)
 
-# Lint (ruff, configured in pyproject.toml) and types of the torch-free layers (mypy: cache, core).
+# Lint (ruff, configured in pyproject.toml) and types of the torch-free layers (mypy: cache, core, bench).
 lint: setup
 	$(VENV)/bin/ruff check chatserve tests scripts
 	$(VENV)/bin/mypy

@@ -1,4 +1,5 @@
-"""`chatserve serve`: the OpenAI-compatible server with the default model unless told otherwise.
+"""`chatserve serve`: the OpenAI-compatible server with the default model unless told otherwise;
+`chatserve cluster` (replicas behind vLLM's router) and `chatserve bench` (chatserve/bench/) too.
 
 Every flag is generated from a dataclass field (`EngineArgs`, `ServerSettings`, `ServeOptions`), so a
 default, its type and its help text live in one place and a new field gets its flag for free:
@@ -262,7 +263,35 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     _add_serve_args(serve, environ)
     _add_cluster_args(sub)
+    _add_bench_args(sub, environ)
     return parser
+
+
+def _add_engine_args(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """Every EngineArgs flag of `serve` (and its $CHATSERVE_<FIELD> default), for the offline benchmarks."""
+    g = p.add_argument_group("model and engine (EngineArgs)")
+    for spec in flag_specs(EngineArgs):
+        _add_flag(g, spec, environ)
+
+
+def _add_bench_args(sub: Any, environ: Mapping[str, str]) -> None:
+    """`chatserve bench serve|latency|throughput`, vLLM's `vllm bench` (chatserve/bench/)."""
+    from chatserve.bench import latency, serve, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (online, over HTTP), latency and throughput (offline)",
+                           description="Benchmarks in the shape of `vllm bench`: `serve` against a running server "
+                                       "(this one or any OpenAI-compatible one), `latency` and `throughput` in-process.")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,latency,throughput}")
+    p = kinds.add_parser("serve", help="online serving benchmark against a running server (vllm bench serve)",
+                         description=(serve.__doc__ or "").split("\n\n")[0])
+    serve.add_cli_args(p)
+    p.set_defaults(bench_main=serve.main, bench_check=serve.check_args, bench_parser=p)
+    for name, module, what in (("latency", latency, "latency of one batch, in-process (vllm bench latency)"),
+                               ("throughput", throughput, "offline throughput, in-process (vllm bench throughput)")):
+        p = kinds.add_parser(name, help=what, description=(module.__doc__ or "").split("\n\n")[0])
+        _add_engine_args(p, environ)
+        module.add_cli_args(p)  # after the engine flags: it may change their defaults (latency: no prefix cache)
+        p.set_defaults(bench_main=module.main, bench_check=module.check_args, bench_parser=p)
 
 
 def _add_cluster_args(sub: Any) -> None:
@@ -301,6 +330,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     args = build_parser(environ).parse_args(argv)
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag
+    if getattr(args, "bench_check", None) is not None:  # what argparse cannot check flag by flag
+        args.bench_check(args, args.bench_parser)
     return args
 
 
@@ -357,6 +388,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return serve(args)
     if args.command == "cluster":
         return cluster(args)
+    if args.command == "bench":
+        return int(args.bench_main(args))
     return 2
 
 

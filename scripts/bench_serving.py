@@ -2,6 +2,13 @@
 """Serving benchmark over HTTP: TTFT, inter-token latency and throughput against chatserve or any
 OpenAI-compatible server (llama.cpp's, vLLM's, ...).
 
+``chatserve bench serve`` (chatserve/bench/) is the vLLM-shaped benchmark, with vLLM's flags and
+result keys; this script stays for the workloads it lacks (``abort-storm``, ``fixed``, ``ttft``,
+per-turn cache ratios, ``--side-by-side`` / ``--grid`` tables) and for the comparison scripts
+that call it (compare_vllm.sh, compare_llamacpp.sh, compare_quantized_serving.sh,
+bench_cluster.py). Its prompt text and SSE parsing are chatserve.bench's (text.py, client.py);
+it imports them from the checkout it lives in, without torch.
+
 Every request is streamed (SSE) and each chunk is timed as it arrives. Workloads:
 
 - ``shared-prefix``: one long system prompt (about ``--prefix-tokens``, default 1,000 tokens) shared
@@ -29,7 +36,7 @@ random id, so two prompts share at most the template's first few tokens (less th
 not even across runs against the same server: the prefix cache can never help. (Without a system
 message, chat templates such as SmolLM2's insert the same default one, a shared first block.)
 
-Prompts are built from word lists in this file with a ``random.Random(seed)``: nothing is
+Prompts are built from the word lists of ``chatserve/bench/text.py`` with a ``random.Random(seed)``: nothing is
 downloaded, the same seed gives the same prompts, and no tokenizer is needed (lengths are
 approximate; the real prompt token counts come back in ``usage`` and are reported).
 
@@ -72,7 +79,6 @@ import math
 import os
 import platform
 import random
-import re
 import socket
 import statistics
 import sys
@@ -84,110 +90,18 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402  (stdlib-only: no chatserve needed on the client machine)
+import bench_common as bc  # noqa: E402  (stdlib-only at import)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's chatserve
+# chatserve.bench's client modules import neither torch nor the engine (chatserve/__init__.py is lazy).
+from chatserve.bench.client import StreamError, chunk_text, finish_reason, parse_prometheus, sse_events  # noqa: E402
+from chatserve.bench.text import FOLLOW_UPS as _FOLLOW_UPS  # noqa: E402
+from chatserve.bench.text import QUESTIONS as _QUESTIONS  # noqa: E402
+from chatserve.bench.text import cap as _cap  # noqa: E402
+from chatserve.bench.text import fill as _fill  # noqa: E402
+from chatserve.bench.text import question, sentence, text_of_tokens  # noqa: E402,F401
 
 WORKLOADS = ("shared-prefix", "multi-turn", "random", "abort-storm", "fixed", "ttft")
-
-# ---------------------------------------------------------------------------------------------------
-# Deterministic prompt text. English-like sentences from word lists; SmolLM2's tokenizer gives about
-# CHARS_PER_TOKEN characters per token on this text (measured; other tokenizers are within ~15%).
-# ---------------------------------------------------------------------------------------------------
-CHARS_PER_TOKEN = 4.9
-
-_SUBJECTS = (
-    "the harbour master", "a young engineer", "the village council", "an old fisherman", "the railway company",
-    "a travelling merchant", "the school teacher", "a team of surveyors", "the baker", "the lighthouse keeper",
-    "a retired doctor", "the mayor", "a group of students", "the farmers of the valley", "a visiting scientist",
-    "the ship's captain", "the night watchman", "a local historian", "the postmistress", "the miller",
-    "the blacksmith", "a pair of botanists", "the ferry pilot", "the choir", "a newspaper reporter",
-)
-_VERBS = (
-    "repaired", "described", "measured", "painted", "studied", "explained", "built", "visited",
-    "photographed", "mapped", "questioned", "recorded", "rebuilt", "inspected", "celebrated", "ignored",
-    "cleaned", "defended", "sold", "borrowed", "restored", "catalogued", "sketched", "weighed", "guarded",
-)
-_OBJECTS = (
-    "the stone bridge", "a broken clock", "the northern cliffs", "the old mill", "a set of brass instruments",
-    "the new railway line", "the church bell", "a map of the coast", "the harbour wall", "a cart full of barley",
-    "the observatory", "the wooden trays", "the fishing nets", "a collection of letters", "the weather station",
-    "the school roof", "a flock of sheep", "the market square", "the signal lantern", "the ferry",
-    "the tide tables", "a chest of silver coins", "the orchard", "the town records", "the salmon ladder",
-)
-_PLACES = (
-    "near the river", "behind the bakery", "at the end of the pier", "on the hill above the village",
-    "in the council hall", "beside the old chapel", "along the coast road", "under the great oak",
-    "inside the lighthouse", "at the railway station", "across the valley", "by the frozen pond",
-)
-_TIMES = (
-    "before dawn", "during the autumn storms", "on a quiet Sunday", "after the harvest", "in the spring of 1852",
-    "late one winter evening", "every Thursday", "at midday", "during the long drought", "the following summer",
-    "on the first day of the fair", "just after the floods",
-)
-_REASONS = (
-    "because nobody else knew how", "so that the boats could return safely", "to settle an old argument",
-    "while the rain kept falling", "although the mayor disagreed", "as the children watched",
-    "to prepare for the festival", "for reasons nobody understood", "despite the cold wind",
-    "with surprising patience", "after a long debate", "to the delight of the neighbours",
-)
-_EXTRAS = (
-    "It took {n} days and cost {m} coins.", "Only {n} people saw it happen.", "The records list {n} witnesses.",
-    "Some said it was the {ord} time that year.", "The work needed {n} helpers and {m} nails.",
-    "A note dated the {ord} of the month mentions it.",
-)
-_QUESTIONS = (
-    "Why did {s} decide that {o} needed attention {t}?",
-    "Summarize in {n} sentences what happened {p} {t}.",
-    "What would have changed if {s} had not {v} {o}?",
-    "List {n} facts about {o} that the records mention.",
-    "Who else was involved when {s} {v} {o}, and why?",
-    "Explain how {o} is connected to {s}, in plain words.",
-    "Compare what {s} did with what happened {p}.",
-    "Write a short letter from {s} about {o}.",
-)
-_FOLLOW_UPS = (
-    "Thanks. Can you say more about {o}?", "And what did {s} think about it afterwards?",
-    "Please make that shorter and mention {p}.", "Interesting. What happened {t}?",
-    "Could you turn that into a list of {n} points?", "Why do you think {s} {v} {o}?",
-)
-_ORD = ("first", "second", "third", "fourth", "fifth", "seventh", "tenth", "twelfth", "twentieth")
-
-
-def _cap(s: str) -> str:
-    return s[:1].upper() + s[1:]
-
-
-def sentence(rng: random.Random) -> str:
-    s = (f"{_cap(rng.choice(_SUBJECTS))} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)} "
-         f"{rng.choice(_TIMES)}, {rng.choice(_REASONS)}.")
-    if rng.random() < 0.3:
-        s += " " + rng.choice(_EXTRAS).format(n=rng.randint(2, 90), m=rng.randint(10, 900), ord=rng.choice(_ORD))
-    return s
-
-
-def text_of_tokens(rng: random.Random, approx_tokens: int) -> str:
-    """Sentences until about approx_tokens tokens (never empty)."""
-    target = max(1, approx_tokens) * CHARS_PER_TOKEN
-    parts: list[str] = []
-    size = 0
-    while size < target or not parts:
-        s = sentence(rng)
-        parts.append(s)
-        size += len(s) + 1
-    return " ".join(parts)
-
-
-def _fill(template: str, rng: random.Random) -> str:
-    return template.format(s=rng.choice(_SUBJECTS), v=rng.choice(_VERBS), o=rng.choice(_OBJECTS),
-                           p=rng.choice(_PLACES), t=rng.choice(_TIMES), n=rng.randint(2, 6))
-
-
-def question(rng: random.Random, i: int, approx_tokens: int) -> str:
-    """A distinct question: a numbered question, then context sentences up to approx_tokens."""
-    q = _cap(_fill(rng.choice(_QUESTIONS), rng))
-    head = f"Question {i + 1}: {q}"
-    room = approx_tokens - len(head) / CHARS_PER_TOKEN
-    return head if room < 8 else f"{head} Context: {text_of_tokens(rng, int(room))}"
-
 
 # ---------------------------------------------------------------------------------------------------
 # Workload plans: what each request sends. Built up front from the seed, so runs are reproducible.
@@ -329,32 +243,6 @@ def dist(xs: list[float]) -> dict[str, float | None]:
 # ---------------------------------------------------------------------------------------------------
 # Server probing and Prometheus metrics (chatserve's names; anything else -> None)
 # ---------------------------------------------------------------------------------------------------
-_PROM_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
-_REASON = re.compile(r'reason="([^"]*)"')
-
-
-def parse_prometheus(text: str) -> dict[str, Any]:
-    """{metric: sum over label sets} plus {"aborts_by_reason": {...}} for chatserve:request_aborts_total."""
-    out: dict[str, Any] = {"aborts_by_reason": {}}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _PROM_LINE.match(line)
-        if not m:
-            continue
-        name, labels, raw = m.groups()
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        out[name] = out.get(name, 0.0) + value
-        if name == "chatserve:request_aborts_total" and labels:
-            r = _REASON.search(labels)
-            if r:
-                out["aborts_by_reason"][r.group(1)] = out["aborts_by_reason"].get(r.group(1), 0.0) + value
-    return out
-
-
 class Server:
     def __init__(self, args: argparse.Namespace) -> None:
         self.base = args.base_url.rstrip("/")
@@ -416,28 +304,6 @@ def server_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
 # ---------------------------------------------------------------------------------------------------
 # One streamed request
 # ---------------------------------------------------------------------------------------------------
-class StreamError(Exception):
-    pass
-
-
-def _chunk_text(obj: dict[str, Any]) -> str:
-    parts = []
-    for ch in obj.get("choices") or []:
-        delta = ch.get("delta")
-        if isinstance(delta, dict):
-            parts.append(delta.get("content") or "")
-        elif "text" in ch:
-            parts.append(ch.get("text") or "")
-    return "".join(parts)
-
-
-def _finish_reason(obj: dict[str, Any]) -> str | None:
-    for ch in obj.get("choices") or []:
-        if ch.get("finish_reason"):
-            return ch["finish_reason"]
-    return None
-
-
 class Runner:
     def __init__(self, args: argparse.Namespace, server: Server, model: str | None, run_id: str) -> None:
         self.args = args
@@ -491,21 +357,9 @@ class Runner:
                         self._mark_abort(res, "disconnect")
                         return
                     cancelled = True
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    try:
-                        obj = json.loads(data)
-                    except ValueError as exc:
-                        raise StreamError(f"bad SSE data: {data[:200]!r}") from exc
-                    if "error" in obj and not obj.get("choices"):
-                        err = obj["error"]
-                        raise StreamError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+                async for obj in sse_events(r):
                     now = time.perf_counter()
-                    text = _chunk_text(obj)
+                    text = chunk_text(obj)
                     if text:
                         if res.ttft_ms is None:
                             res.ttft_ms = (now - res.start) * 1e3
@@ -514,7 +368,7 @@ class Runner:
                         last = now
                         res.num_chunks += 1
                         res.text += text
-                    fr = _finish_reason(obj)
+                    fr = finish_reason(obj)
                     if fr:
                         res.finish_reason = fr
                     usage = obj.get("usage")

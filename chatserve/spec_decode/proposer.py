@@ -4,8 +4,9 @@ Drafting is not free: verifying k drafts is a forward pass over 1 + k rows, so a
 guesses keep failing pays for rows nobody uses. The proposer adapts per sequence, as llama.cpp's
 and SGLang's adaptive drafts do:
 
-- after a verification that took every draft, the next may draft one more (up to
-  ``num_speculative_tokens``); after a partial one, ``accepted + 1``;
+- after a verification that took every draft, the next may draft twice as many (up to
+  ``num_speculative_tokens``: a copy that has started tends to go on, and a slow ramp-up costs a
+  step per missing draft); after a partial one, ``accepted + 1``;
 - after a verification that took nothing, the draft length halves, and from the third miss in a row
   the sequence stops drafting for 2, 4, ... 32 steps (free text: back to plain decode speed, with
   a probe now and then in case it starts to copy);
@@ -112,7 +113,7 @@ class SpecProposer:
         if state is None:
             return
         if num_accepted == num_drafts:
-            state.k = min(self.max_drafts, max(state.k, num_drafts) + 1)
+            state.k = min(self.max_drafts, 2 * max(state.k, num_drafts))
             state.misses = 0
         elif num_accepted > 0:
             state.k = num_accepted + 1

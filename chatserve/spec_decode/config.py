@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from chatserve.json_options import read_json_options
 
 SpecMethod = Literal["ngram", "suffix"]
 SPEC_METHODS: tuple[str, ...] = ("ngram", "suffix")
@@ -57,7 +58,7 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, f"must be an integer >= 1; got {value!r}")
-        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise bad("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}; got {self.num_speculative_tokens}")
         if self.suffix_decoding_max_tree_depth < 2:
             raise bad("suffix_decoding_max_tree_depth", f"must be at least 2; got {self.suffix_decoding_max_tree_depth}")
@@ -88,25 +89,16 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     """
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        if not value.strip():
-            return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object; got {type(value).__name__}")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"speculative_config.{unknown[0]} is not a known option (known: {', '.join(sorted(known))})")
+    options = read_json_options("speculative_config", value, SpeculativeConfig)
+    if options is None:
+        return None
+    value = options
     if "method" not in value:
         raise ValueError(f"speculative_config.method is required ({' or '.join(SPEC_METHODS)})")
     method = value["method"]
-    for other, options in _METHOD_OPTIONS.items():
+    for other, others_keys in _METHOD_OPTIONS.items():
         if other != method and method in _METHOD_OPTIONS:
-            given = sorted(options & set(value))
+            given = sorted(others_keys & set(value))
             if given:
                 raise ValueError(f"speculative_config.{given[0]} applies to method {other}, not {method}")
     return SpeculativeConfig(**value)

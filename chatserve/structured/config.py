@@ -16,9 +16,10 @@ know is an error naming it, never silently ignored (vLLM #48765).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from chatserve.json_options import read_json_options
 
 DEFAULT_MAX_WHITESPACE = 8
 # The backends vLLM's config names that we are (or that mean "whatever the server has").
@@ -61,18 +62,8 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | StructuredOutp
         return value
     if value is None:
         return StructuredOutputsConfig()
-    if isinstance(value, str):
-        if not value.strip():
-            return StructuredOutputsConfig()
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"structured_outputs_config must be a JSON object: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"structured_outputs_config must be a JSON object; got {type(value).__name__}")
-    known = {f.name for f in fields(StructuredOutputsConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"structured_outputs_config.{unknown[0]} is not a known option "
-                         f"(known: {', '.join(sorted(known))})")
+    options = read_json_options("structured_outputs_config", value, StructuredOutputsConfig)
+    if options is None:
+        return StructuredOutputsConfig()
+    value = options
     return StructuredOutputsConfig(**value)

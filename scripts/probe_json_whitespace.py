@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from chatserve.structured.config import whitespace_runs
+
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
           "required": ["city", "country"], "additionalProperties": False}
 # NOTE: the prompt names neither JSON nor the keys (response_format alone asks for JSON), as a client
@@ -41,29 +43,6 @@ FORMATS: dict[str, dict[str, Any]] = {
     "json_object": {"type": "json_object"},
     "json_schema": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}},
 }
-
-
-def longest_whitespace_run_outside_strings(text: str) -> int:
-    """The longest run of JSON whitespace between tokens (string contents skipped)."""
-    longest = run = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-            continue
-        if ch in " \t\n\r":
-            run += 1
-            longest = max(longest, run)
-            continue
-        run = 0
-        if ch == '"':
-            in_string = True
-    return longest
 
 
 def _free_port() -> int:
@@ -157,7 +136,7 @@ def main() -> None:
                 "of": len(replies),
                 "finish_reasons": dict(Counter(r["finish_reason"] for r in replies)),
                 "with_3plus_newline_runs": sum(newline_runs),
-                "longest_whitespace_run": max(longest_whitespace_run_outside_strings(r["content"]) for r in replies),
+                "longest_whitespace_run": max((max(whitespace_runs(r["content"]), default=0) for r in replies), default=0),
                 "mean_output_tokens": round(sum(r["completion_tokens"] for r in replies) / len(replies), 1),
                 "replies": replies,
             }

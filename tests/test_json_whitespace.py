@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from chatserve import LLM, EngineArgs, SamplingParams
 from chatserve.sampling_params import StructuredOutputsParams
 from chatserve.structured import GrammarCompilerService, StructuredOutputsConfig, parse_structured_outputs_config
-from chatserve.structured.config import DEFAULT_MAX_WHITESPACE
+from chatserve.structured.config import DEFAULT_MAX_WHITESPACE, whitespace_runs
 from chatserve.tools import HERMES, XLAM, FunctionTool, ToolChoice, parse_tool_calls, tool_grammar
 
 from .helpers.server import SHARED_API_KEY as API_KEY
@@ -46,31 +46,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Get
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def whitespace_runs(text: str) -> list[int]:
-    """The lengths of the runs of JSON whitespace between tokens (string contents, escapes included, skipped)."""
-    runs: list[int] = []
-    run, in_string, escaped = 0, False, False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-            continue
-        if ch in " \t\n\r":
-            run += 1
-            continue
-        if run:
-            runs.append(run)
-        run = 0
-        in_string = ch == '"'
-    if run:
-        runs.append(run)
-    return runs
 
 
 def longest_run(text: str) -> int:

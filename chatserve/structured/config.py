@@ -67,3 +67,30 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | StructuredOutp
         return StructuredOutputsConfig()
     value = options
     return StructuredOutputsConfig(**value)
+
+
+def whitespace_runs(text: str) -> list[int]:
+    """The lengths of the runs of JSON whitespace between tokens of ``text`` (string contents,
+    escapes included, skipped): what ``max_whitespace`` bounds, measured on an output (the tests and
+    ``scripts/probe_json_whitespace.py`` read replies with it)."""
+    runs: list[int] = []
+    run, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            continue
+        if ch in " \t\n\r":
+            run += 1
+            continue
+        if run:
+            runs.append(run)
+        run = 0
+        in_string = ch == '"'
+    if run:
+        runs.append(run)
+    return runs

@@ -15,15 +15,16 @@ HOST       ?= 127.0.0.1
 PORT       ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-redis serve cluster test test-all lint bench
+.PHONY: help setup setup-redis serve cluster test test-all lint docs bench
 
 help:
 	@echo "make setup     create .venv and install chatserve[dev], torch (if missing), the default model"
 	@echo "make serve     OpenAI-compatible server + web client with the default model on http://$(HOST):$(PORT)"
-	@echo "make cluster   2 replicas behind vllm-router sharing Redis (CLUSTER_ARGS=...; see README Scaling out)"
+	@echo "make cluster   2 replicas behind vllm-router sharing Redis (CLUSTER_ARGS=...; see docs/scaling-out.md)"
 	@echo "make test      fast test suite (needs Redis; started if absent)"
 	@echo "make test-all  full test suite, including tests marked slow"
 	@echo "make lint      ruff over the code, mypy over the torch-free layers (part of make test)"
+	@echo "make docs      the documentation site (MkDocs, warnings are errors) into build/site (part of make test)"
 	@echo "make bench     offline benchmark: chatserve vs transformers (BENCH_ARGS=...)"
 
 setup:
@@ -45,13 +46,18 @@ lint: setup
 	$(VENV)/bin/ruff check chatserve tests scripts
 	$(VENV)/bin/mypy
 
+# The documentation site from docs/ (mkdocs.yml): --strict turns every warning (a broken link or anchor,
+# a page missing from the nav) into a failure. NO_MKDOCS_2_WARNING: Material's end-of-life banner.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
 # pytest exits 5 when it collects no tests; any non-zero status fails the target.
-test: setup-redis lint
+test: setup-redis lint docs
 	@rc=0; $(PYTEST) -q -m "not slow" --durations=25 $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- treating as failure" >&2; fi; \
 	exit $$rc
 
-test-all: setup-redis lint
+test-all: setup-redis lint docs
 	@rc=0; $(PYTEST) -q $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-all: pytest collected no tests -- treating as failure" >&2; fi; \
 	exit $$rc

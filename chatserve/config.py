@@ -91,7 +91,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: b
     (AVX2: widened there; quantized GGUF weights: int8 activations), so bf16 halves the memory
     traffic and runs the quantized and batch-invariant kernels. Without them torch widens every bf16
     matmul to float32 and back, so bf16 is slower, not faster (on an AVX2-only EPYC host a 600-token
-    prefill took 4.5x as long in bf16 as in float32). Measured per tier: README, "CPU kernel tiers".
+    prefill took 4.5x as long in bf16 as in float32). Measured per tier: docs/quantization-and-kernels.md, "CPU kernel tiers".
     """
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from chatserve.outputs import Logprob
-from chatserve.server.choices import Accumulator, ChoiceDelta, ChoiceState, Usage
+from chatserve.server.chat.choices import Accumulator, ChoiceDelta, ChoiceState, Usage
 
 
 # ---- logprobs ------------------------------------------------------------------------------------

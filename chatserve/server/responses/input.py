@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from chatserve.server.protocol import ChatMessage, ToolCallFunction, ToolCallIn
-from chatserve.server.responses_protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
+from chatserve.server.chat.protocol import ChatMessage, ToolCallFunction, ToolCallIn
+from chatserve.server.responses.protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 from chatserve.sessions.response_store import new_item_id
 
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from chatserve.server.protocol import (
+from chatserve.server.chat.protocol import (
     FunctionDefinition,
     FunctionName,
     JSONSchemaSpec,

@@ -24,11 +24,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from chatserve.engine.async_engine import EngineDeadError
-from chatserve.server.choices import Usage
-from chatserve.server.generation import Generation
-from chatserve.server.responses_events import OutputBuilder, Sequencer
-from chatserve.server.responses_protocol import ResponsesRequest
-from chatserve.server.tool_request import ToolPlan
+from chatserve.server.chat.choices import Usage
+from chatserve.server.chat.generation import Generation
+from chatserve.server.chat.tool_request import ToolPlan
+from chatserve.server.responses.events import OutputBuilder, Sequencer
+from chatserve.server.responses.protocol import ResponsesRequest
 from chatserve.sessions import SessionStoreError
 from chatserve.sessions.response_store import ResponseStore
 

@@ -1,31 +1,19 @@
-"""How a `Generation`'s output reaches the client: as SSE events, or collected into one body.
+"""Server-sent events on the wire: one JSON data line per event, numbered ids, keepalive comments,
+and the race between a piece of work and the client's disconnect.
 
-Both ways end the engine work when the client goes: a stream's generator is closed by the
-server on disconnect (its `finally` aborts), and a non-streaming request watches `receive()` for
-`http.disconnect` while it collects. Either way the request is aborted within a step and the
-abort reason ("client_disconnect") is recorded for the metrics and the cancel endpoint.
+Nothing here knows what the events say (chat chunks, Responses events, a run's log): the
+families build their events and hand them to `sse_response`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
-from starlette.requests import Request
-
-from chatserve.engine.async_engine import EngineDeadError
-from chatserve.server.choices import Accumulator
-from chatserve.server.chunks import ReplyFormat
-from chatserve.server.errors import APIError, error_body
-from chatserve.server.generation import Generation
-
-# on_end(completed): runs once when a stream ends; raising APIError (completed only) replaces [DONE].
-OnEnd = Callable[[bool], Awaitable[None]]
-
 
 # Characters that str.splitlines() (and so the openai SDK's SSE decoder, and httpx's iter_lines)
 # takes for line ends although SSE does not: raw inside a data line they cut one event in two. JSON
@@ -79,81 +67,6 @@ def sse_response(events: AsyncIterator[dict[str, Any]], *, keepalive_s: float,
     request waits in the queue, prefills and decodes alike (so proxies keep the connection open)."""
     return EventSourceResponse(events, ping=keepalive_s, ping_message_factory=Keepalive,
                                headers={**headers, "Cache-Control": "no-cache"})
-
-
-async def stream_events(
-    gen: Generation,
-    acc: Accumulator,
-    fmt: ReplyFormat,
-    *,
-    include_usage: bool,
-    on_end: OnEnd | None = None,
-) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI's chunk sequence: opening chunks, one per delta choice, the usage chunk if asked, [DONE].
-
-    A dead engine ends the stream with an error event (no [DONE]). `on_end(True)` runs before the
-    usage chunk; an APIError it raises becomes the last event instead of [DONE]. If the stream
-    ends any other way (disconnect, dead engine), `on_end(False)` runs in the background.
-    """
-    sse = SSECounter()
-    completed = False
-    try:
-        for choice in fmt.opening_choices(len(acc.choices)):
-            yield sse.event(fmt.chunk([choice], include_usage))
-        try:
-            async for deltas in gen.deltas():
-                for d in deltas:
-                    acc.add(d)
-                    if d.finish_reason == "error":  # e.g. a grammar that failed mid-generation: this request only
-                        yield sse.event(generation_error(d.error).body())
-                        return
-                    for choice in fmt.delta_choices(d):
-                        yield sse.event(fmt.chunk([choice], include_usage))
-        except EngineDeadError as exc:
-            yield sse.event(error_body(503, str(exc), code="engine_dead"))
-            return
-        completed = True
-        if on_end is not None:
-            try:
-                await on_end(True)
-            except APIError as exc:
-                yield sse.event(exc.body())
-                return
-        if include_usage:
-            yield sse.event(fmt.chunk([], True, gen.usage))
-        yield sse.event("[DONE]")
-    finally:
-        if not gen.finished:
-            gen.close("client_disconnect")
-        if not completed and on_end is not None:
-            gen.ctx.spawn(on_end(False))
-
-
-async def collect_reply(request: Request, gen: Generation, acc: Accumulator) -> None:
-    """Collect the whole reply unless the client leaves first (then abort, and answer nobody)."""
-
-    async def collect() -> None:
-        async for deltas in gen.deltas():
-            for d in deltas:
-                acc.add(d)
-
-    try:
-        completed, _ = await run_or_disconnect(collect(), request.receive)
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_dead") from None
-    finally:
-        if not gen.finished:
-            gen.close("client_disconnect")
-    if not completed:
-        raise APIError(499, "client closed the request")
-    error = acc.first_error()
-    if error is not None:
-        raise generation_error(error)
-
-
-def generation_error(reason: str | None) -> APIError:
-    """A request the engine ended with finish_reason "error" (the engine itself goes on serving the others)."""
-    return APIError(500, f"generation failed: {reason or 'unknown error'}", code="generation_error")
 
 
 async def wait_for_disconnect(receive: Any) -> None:

@@ -1,9 +1,10 @@
 """`create_app`: the whole HTTP surface over one engine, as a Starlette app.
 
-A request's path: `middleware` (API key, error count) -> a route in `routes/` -> `http_input`
-(body size, JSON, pydantic `protocol` models) -> `params` (SamplingParams) -> `generation`
-(engine requests) -> `streaming` (SSE chunks or one body, built by `chunks`). Every failure on the
-way is an `errors.APIError`, answered in OpenAI's error shape. State lives on `app.state.ctx`.
+A request's path: `middleware` (API key, error count) -> a family's `routes` (openai/, responses/,
+sessions/) -> `http_input` (body size, JSON, the family's pydantic `protocol` models) ->
+`chat/params` (SamplingParams) -> `chat/generation` (engine requests) -> `chat/replies` (SSE
+chunks or one body, built by `chat/chunks`, written by `streams/sse`). Every failure on the way
+is an `errors.APIError`, answered in OpenAI's error shape. State lives on `app.state.ctx`.
 """
 
 from __future__ import annotations

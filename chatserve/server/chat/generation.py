@@ -5,7 +5,7 @@ request per prompt (each with `n` choices), merges their delta outputs into one 
 `ChoiceDelta`s, and settles each engine request exactly once when it ends, whether it finished,
 was cancelled through the endpoint, or lost its client: metrics observed, tracker updated, and
 the abort reason recorded. Nothing here formats JSON (`chunks` does) or writes to the client
-(`streaming` does).
+(`replies` does).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from chatserve.server.streams.sse import sse_response
 
 def chat_token_ids(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
     """A chat body's prompt ids through the template, and its tool plan: the one rendering that the chat
-    route and the render/tokenize routes (routes/tokens.py) share, so a router's view of our tokens cannot drift."""
+    route and the render/tokenize routes (openai/tokens.py) share, so a router's view of our tokens cannot drift."""
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.engine.input_processor,
                       ctx.chat_template)
     return chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan), plan

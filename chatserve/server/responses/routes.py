@@ -4,11 +4,11 @@
 A request's path is the chat route's: the same tool planning (`plan_tools`), rendering
 (`chat_prompt_ids`), prompt checks (`input_processor.process`, naming `input`), sampling
 (`build_sampling_params`) and constrained decoding (`request_constraint`: tools and `text.format`),
-only the input is items and the output is typed events (`responses_events`). With
+only the input is items and the output is typed events (`events`). With
 `previous_response_id` the prompt is the stored exact token ids of the earlier conversation plus
 only the new items (the continuation session turns use), so the prefix cache matches all of it.
 
-Background responses run on the run registry (runs.py, with a `detach` disconnect policy): every
+Background responses run on the run registry (streams/runs.py, with a `detach` disconnect policy): every
 event goes to the response's event log, and `GET /v1/responses/{id}?stream=true&starting_after=N`
 replays it from the cursor, then follows live, from any replica sharing the Redis.
 """

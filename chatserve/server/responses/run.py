@@ -3,7 +3,7 @@
 `ResponseRun.events()` is the whole life of a response as OpenAI's event sequence
 (`response.created`, `response.in_progress`, the output item events, then `response.completed`,
 `response.incomplete` or `response.failed`), whoever consumes it: the SSE of a foreground stream,
-a collector for a JSON body, or the run registry (runs.py) that appends it to the event log of a
+a collector for a JSON body, or the run registry (streams/runs.py) that appends it to the event log of a
 background response. The stored record follows along: written when the run starts (queued or
 in_progress, so a GET or a cancel from any replica sees it), and once more at the end with the
 exact token ids of the conversation, *before* the final event goes out, so a client that chains

@@ -1,8 +1,8 @@
 """The session API: multi-turn chats whose exact token history lives in a SessionStore (Redis).
 
 Every turn reuses the cached KV of the whole history: its prompt is the stored token ids plus
-the new user turn (`session_prompts`), so the radix tree matches all of it. One turn at a time
-per session (an expiring lock, `session_turn`); a finished, cancelled or disconnected turn is
+the new user turn (`prompts`), so the radix tree matches all of it. One turn at a time
+per session (an expiring lock, `turn`); a finished, cancelled or disconnected turn is
 written atomically, partial replies marked `finish_reason: "abort"`. Store outages are 503s that
 heal by themselves.
 """
@@ -137,7 +137,7 @@ async def post_message(request: Request) -> Response:
     engine = ctx.engine
 
     def plan(session: Session, messages: list[Message], history: list[int]) -> TurnPrompt:
-        if body.has_tools:  # tools offered or tool results handed back: session_tools renders the new part
+        if body.has_tools:  # tools offered or tool results handed back: sessions/prompts.py renders the new part
             tools = session_tool_plan(ctx, body)
             new = new_messages(body)
             if history:

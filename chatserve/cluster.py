@@ -3,7 +3,7 @@
 We do not write a router. vLLM's Rust router already fronts chatserve unchanged: its
 `sticky_least_loaded` policy keeps a session on its replica by the `X-Session-Id` header, and
 its default `cache_aware` policy places requests by the token ids our `/v1/chat/completions/render`
-returns (routes/tokens.py), and its `kv_aware` policy by the KV blocks each replica reports
+returns (server/openai/tokens.py), and its `kv_aware` policy by the KV blocks each replica reports
 holding (KV cache events over ZMQ, engine/kv_event_publisher.py). What this module adds is the
 launch: Redis if none answers, the replicas on consecutive ports (each a `chatserve serve`
 process, with its KV event sockets under kv_aware), the router in front with

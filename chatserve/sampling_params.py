@@ -47,6 +47,16 @@ StructuredKind = Literal["json", "regex", "choice", "grammar", "json_object", "s
 STRUCTURED_KINDS: tuple[StructuredKind, ...] = get_args(StructuredKind)
 
 
+def check_whitespace_options(prefix: str, disable_any_whitespace: Any, max_whitespace: Any) -> None:
+    """Types and ranges of the two whitespace options (None: not set); errors name ``<prefix>.<key>``."""
+    if disable_any_whitespace is not None and not isinstance(disable_any_whitespace, bool):
+        raise ValueError(f"{prefix}.disable_any_whitespace must be a bool; got {disable_any_whitespace!r}")
+    if max_whitespace is not None and (
+        isinstance(max_whitespace, bool) or not isinstance(max_whitespace, int) or max_whitespace < 0
+    ):
+        raise ValueError(f"{prefix}.max_whitespace must be an integer >= 0; got {max_whitespace!r}")
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output to a grammar, shaped like vLLM's ``StructuredOutputsParams``.
@@ -109,8 +119,6 @@ class StructuredOutputsParams:
     max_whitespace: int | None = None
 
     def __post_init__(self) -> None:
-        from chatserve.structured.config import check_whitespace_options
-
         check_whitespace_options("structured_outputs", self.disable_any_whitespace, self.max_whitespace)
         chosen = [k for k in STRUCTURED_KINDS if self._is_set(k)]
         if len(chosen) != 1:

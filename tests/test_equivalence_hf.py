@@ -109,7 +109,7 @@ def test_tiny_architectures_match_transformers(arch, tiny_checkpoint):
 
 def final_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Run one prefill through our model runner into free blocks and return the last position's logits."""
-    from chatserve.worker.forward_batch import build_forward_batch
+    from chatserve.forward_batch import build_forward_batch
 
     runner = llm.engine.runner
     bm = llm.engine.block_manager

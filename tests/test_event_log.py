@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
-from chatserve.server.event_log import (
+from chatserve.server.streams.event_log import (
     CursorExpired,
     EventLog,
     EventLogNotFound,

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from chatserve.forward_batch import build_forward_batch
 from chatserve.kernels import (
     cascade_decode_attention,
     cascade_extend_attention,
@@ -14,7 +15,6 @@ from chatserve.kernels import (
     paged_extend_attention,
     store_kv_cache,
 )
-from chatserve.worker.forward_batch import build_forward_batch
 
 
 def dense_attention(q, k, v, scale, q_positions):

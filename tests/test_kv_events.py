@@ -22,7 +22,7 @@ from chatserve import LLM, SamplingParams
 from chatserve.cache import AllBlocksCleared, BlockAllocator, BlockRemoved, BlockStored, KVEventLog, RadixPrefixCache
 from chatserve.cache.kv_events import event_hashes
 from chatserve.engine.kv_event_publisher import KVEventsConfig
-from chatserve.server.routes.kv_events import connect_address
+from chatserve.server.kv_events import connect_address
 
 from .helpers.asgi import app_client
 from .helpers.fake_engine import FakeEngine

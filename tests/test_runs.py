@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from chatserve.server.errors import APIError
-from chatserve.server.event_log import EventLog, EventLogUnavailable, MemoryEventLog
-from chatserve.server.runs import DisconnectPolicy, RunRegistry
 from chatserve.server.settings import ServerSettings
+from chatserve.server.streams.event_log import EventLog, EventLogUnavailable, MemoryEventLog
+from chatserve.server.streams.runs import DisconnectPolicy, RunRegistry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -155,7 +155,7 @@ async def test_a_reader_elsewhere_keeps_a_detached_run_alive() -> None:
 
 
 async def test_a_run_nobody_attaches_to_is_aborted_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("chatserve.server.runs.ATTACH_GRACE_S", 0.2)
+    monkeypatch.setattr("chatserve.server.streams.runs.ATTACH_GRACE_S", 0.2)
     registry = RunRegistry(MemoryEventLog())
     p = Producer()
     run = registry.start("orphan", p.events(), policy=DisconnectPolicy(), on_abort=p.on_abort)
@@ -258,7 +258,7 @@ async def test_a_failing_producer_ends_the_log_failed() -> None:
 
 
 async def test_a_producer_that_ignores_abort_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("chatserve.server.runs.ABORT_DEADLINE_S", 0.2)
+    monkeypatch.setattr("chatserve.server.streams.runs.ABORT_DEADLINE_S", 0.2)
     registry = RunRegistry(MemoryEventLog())
     closed = asyncio.Event()
 

@@ -30,16 +30,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chatserve.server.chat.params import build_sampling_params
 from chatserve.server.errors import APIError
 from chatserve.server.http_input import parse_model
-from chatserve.server.params import build_sampling_params
-from chatserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    CreateSessionRequest,
-    SessionMessageRequest,
-)
-from chatserve.server.responses_protocol import ResponsesRequest
+from chatserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from chatserve.server.responses.protocol import ResponsesRequest
+from chatserve.server.sessions.protocol import CreateSessionRequest, SessionMessageRequest
 from chatserve.worker.sampler import Sampler, make_generator
 
 from .helpers.errors import assert_error as assert_openai_error

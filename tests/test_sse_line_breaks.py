@@ -8,7 +8,7 @@ import json
 from httpx._decoders import LineDecoder
 from openai._streaming import SSEDecoder
 
-from chatserve.server.streaming import dumps
+from chatserve.server.streams.sse import dumps
 
 TEXT = "a\u2028b\x85c\u2029d\u00e9\u4e2d\U0001f600\x1ce\n"
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 # Run in the installed copy: fetch each path through the package's own web routes.
 _SERVE_CHECK = """
 import json, sys
-import chatserve.server.routes.web as web
+import chatserve.server.web as web
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 assert "site" in web.__file__ or sys.argv[1] in web.__file__, web.__file__

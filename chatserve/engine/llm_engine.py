@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from chatserve.cache import KVEventLog
-from chatserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, resolve_dtype
+from chatserve.config import CacheConfig, EngineArgs, SchedulerConfig, resolve_dtype
 from chatserve.core.block_manager import BlockManager
 from chatserve.core.scheduler import ScheduledSeq, Scheduler
 from chatserve.core.sequence import Sequence, SequenceStatus
@@ -29,6 +29,7 @@ from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from chatserve.engine.kv_event_publisher import KVEventPublisher, KVEventsConfig
 from chatserve.kernels.cpu import load_cpu_kernels
 from chatserve.layers.ops import select_layer_ops
+from chatserve.models.config import ModelConfig
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams

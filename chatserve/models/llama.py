@@ -14,15 +14,15 @@ import torch
 from torch import nn
 
 from chatserve.attention.base import AttentionBackend
-from chatserve.config import ModelConfig
+from chatserve.forward_batch import ForwardBatch
 from chatserve.layers.activation import SiluAndMul
 from chatserve.layers.linear import Linear
 from chatserve.layers.norm import RMSNorm
 from chatserve.layers.ops import LayerOps
 from chatserve.layers.quantized_linear import QuantizedTensor
 from chatserve.layers.rotary import QKRotary, RotaryEmbedding
+from chatserve.models.config import ModelConfig
 from chatserve.models.layer_stack import build_layer_stack
-from chatserve.worker.forward_batch import ForwardBatch
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the batch's positions, [T, 1, head_dim]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from chatserve.config import ModelConfig
+from chatserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """`create_app`: the whole HTTP surface over one engine, as a Starlette app.
 
-A request's path: `middleware` (API key, error count) -> a route in `routes/` -> `http_input`
-(body size, JSON, pydantic `protocol` models) -> `params` (SamplingParams) -> `generation`
-(engine requests) -> `streaming` (SSE chunks or one body, built by `chunks`). Every failure on the
-way is an `errors.APIError`, answered in OpenAI's error shape. State lives on `app.state.ctx`.
+A request's path: `middleware` (API key, error count) -> a family's `routes` (openai/, responses/,
+sessions/) -> `http_input` (body size, JSON, the family's pydantic `protocol` models) ->
+`chat/params` (SamplingParams) -> `chat/generation` (engine requests) -> `chat/replies` (SSE
+chunks or one body, built by `chat/chunks`, written by `streams/sse`). Every failure on the way
+is an `errors.APIError`, answered in OpenAI's error shape. State lives on `app.state.ctx`.
 """
 
 from __future__ import annotations
@@ -16,19 +17,20 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from chatserve.engine.async_engine import AsyncLLMEngine
-from chatserve.server import resumable
+from chatserve.server import admin, kv_events, web
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.context import ServerContext
 from chatserve.server.errors import exception_handlers
-from chatserve.server.event_log import make_event_log
 from chatserve.server.metrics import ServerMetrics
 from chatserve.server.middleware import AuthAndErrorCount
-from chatserve.server.routes import admin, kv_events, openai, tokens, web
-from chatserve.server.routes import responses as responses_routes
-from chatserve.server.routes import sessions as session_routes
-from chatserve.server.runs import RunRegistry
-from chatserve.server.session_header import SessionHeader
+from chatserve.server.openai import routes as openai_routes
+from chatserve.server.openai import tokens as token_routes
+from chatserve.server.responses import routes as responses_routes
+from chatserve.server.sessions import routes as session_routes
+from chatserve.server.sessions.header import SessionHeader
 from chatserve.server.settings import ServerSettings
+from chatserve.server.streams.event_log import make_event_log
+from chatserve.server.streams.runs import RunRegistry
 from chatserve.server.tracker import RequestTracker
 from chatserve.sessions import SessionStore
 from chatserve.sessions.factory import make_response_store
@@ -54,8 +56,8 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
                             sessions, ttl_seconds=settings.responses_ttl_s,
                             max_in_memory=settings.responses_max_in_memory))
 
-    routes: list[BaseRoute] = [*admin.routes(), *openai.routes(), *tokens.routes(), *kv_events.routes(),
-                                *responses_routes.routes(), *resumable.routes()]
+    routes: list[BaseRoute] = [*admin.routes(), *openai_routes.routes(), *token_routes.routes(), *kv_events.routes(),
+                                *responses_routes.routes()]
     if sessions is not None:
         routes.extend(session_routes.routes())
     if settings.serve_web:
@@ -65,7 +67,7 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         if cancel_bus is not None:
-            await cancel_bus.start(lambda rid: admin.cancel_local(ctx, rid))
+            await cancel_bus.start(ctx.tracker.cancel)
         logger.info("chatserve: serving %s", model_name)
         try:
             yield

@@ -19,10 +19,10 @@ from starlette.requests import Request
 from chatserve.engine.async_engine import AsyncLLMEngine
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.errors import APIError
-from chatserve.server.event_log import MemoryEventLog
 from chatserve.server.metrics import ServerMetrics
-from chatserve.server.runs import RunRegistry
 from chatserve.server.settings import ServerSettings
+from chatserve.server.streams.event_log import MemoryEventLog
+from chatserve.server.streams.runs import RunRegistry
 from chatserve.server.tracker import RequestTracker
 from chatserve.sessions import SessionStore
 from chatserve.sessions.response_store import ResponseStore

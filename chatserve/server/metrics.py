@@ -18,7 +18,7 @@ from chatserve.engine.async_engine import RequestMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-# lease_expired: a detached run (runs.py) that nobody read for its lease
+# lease_expired: a detached run (streams/runs.py) that nobody read for its lease
 ABORT_REASONS = ("client_disconnect", "cancel_endpoint", "engine", "lease_expired")
 
 

@@ -29,7 +29,7 @@ class TrackedRequest:
     blocks_freed: int = 0
     aborted_in_state: str | None = None
     metrics: dict[str, RequestMetrics] = field(default_factory=dict)
-    owner: Any = None  # the serving.Generation running it, while live (the cancel endpoint calls it)
+    owner: Any = None  # the chat.generation.Generation running it, while live (the cancel endpoint calls it)
 
     @property
     def status(self) -> str:
@@ -90,3 +90,12 @@ class RequestTracker:
 
     def get(self, request_id: str) -> TrackedRequest | None:
         return self.live.get(request_id) or self._history.get(request_id)
+
+    async def cancel(self, request_id: str) -> dict[str, Any] | None:
+        """Cancel `request_id` if this process holds it (idempotent); its final state, or None if unknown here."""
+        rec = self.get(request_id)
+        if rec is None:
+            return None
+        if not rec.finished and rec.owner is not None:
+            await rec.owner.cancel()
+        return rec.final_state()

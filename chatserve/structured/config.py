@@ -20,20 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatserve.json_options import read_json_options
+from chatserve.sampling_params import check_whitespace_options
 
 DEFAULT_MAX_WHITESPACE = 8
 # The backends vLLM's config names that we are (or that mean "whatever the server has").
 BACKENDS: tuple[str, ...] = ("auto", "xgrammar")
-
-
-def check_whitespace_options(prefix: str, disable_any_whitespace: Any, max_whitespace: Any) -> None:
-    """Types and ranges of the two whitespace options (None: not set); errors name ``<prefix>.<key>``."""
-    if disable_any_whitespace is not None and not isinstance(disable_any_whitespace, bool):
-        raise ValueError(f"{prefix}.disable_any_whitespace must be a bool; got {disable_any_whitespace!r}")
-    if max_whitespace is not None and (
-        isinstance(max_whitespace, bool) or not isinstance(max_whitespace, int) or max_whitespace < 0
-    ):
-        raise ValueError(f"{prefix}.max_whitespace must be an integer >= 0; got {max_whitespace!r}")
 
 
 @dataclass(frozen=True)

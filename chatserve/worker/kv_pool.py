@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from chatserve.config import CacheConfig, ModelConfig
+from chatserve.config import CacheConfig
+from chatserve.models.config import ModelConfig
 
 _DEFAULT_KV_BUDGET_GB = 0.5
 

@@ -9,13 +9,14 @@ from typing import TypeVar
 
 import torch
 
-from chatserve.config import CacheConfig, ModelConfig
+from chatserve.config import CacheConfig
 from chatserve.core.scheduler import ScheduledSeq
+from chatserve.forward_batch import build_forward_batch
 from chatserve.layers.ops import LayerOps
 from chatserve.layers.rotary import RotaryEmbedding
+from chatserve.models.config import ModelConfig
 from chatserve.models.loader import ModelSource, iter_weights
 from chatserve.models.registry import model_class_for
-from chatserve.worker.forward_batch import build_forward_batch
 from chatserve.worker.kv_pool import plan_kv_pool
 from chatserve.worker.sampler import Sampler, row_is_greedy
 from chatserve.worker.spec_verify import SampledSeq, SamplerRows, split_rows

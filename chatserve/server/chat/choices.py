@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatserve.server.cache_usage import usage_extension
+from chatserve.server.chat.cache_usage import usage_extension
 
 
 @dataclass

@@ -5,7 +5,7 @@ request per prompt (each with `n` choices), merges their delta outputs into one 
 `ChoiceDelta`s, and settles each engine request exactly once when it ends, whether it finished,
 was cancelled through the endpoint, or lost its client: metrics observed, tracker updated, and
 the abort reason recorded. Nothing here formats JSON (`chunks` does) or writes to the client
-(`streaming` does).
+(`replies` does).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from chatserve.engine.async_engine import RequestMetrics
 from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.outputs import CompletionOutput, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
-from chatserve.server.cache_usage import usage_extension
-from chatserve.server.choices import ChoiceDelta, Usage
+from chatserve.server.chat.cache_usage import usage_extension
+from chatserve.server.chat.choices import ChoiceDelta, Usage
 from chatserve.server.context import ServerContext
 from chatserve.server.errors import APIError, bad_request
 from chatserve.server.tracker import TrackedRequest

@@ -17,12 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from chatserve.server.chat.params import build_sampling_params, check_limits
+from chatserve.server.chat.protocol import StrictModel
 from chatserve.server.context import get_context
 from chatserve.server.errors import bad_request
 from chatserve.server.http_input import parse_model, read_body, read_model, request_id_from
-from chatserve.server.params import build_sampling_params, check_limits
-from chatserve.server.protocol import ChatCompletionRequest, StrictModel
-from chatserve.server.routes.openai import chat_prompt_and_plan, chat_token_ids
+from chatserve.server.openai.protocol import ChatCompletionRequest
+from chatserve.server.openai.routes import chat_prompt_and_plan, chat_token_ids
 
 
 class TokenizePromptRequest(StrictModel):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatserve.engine.input_processor import InputProcessor, ToolRendering
-from chatserve.server.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from chatserve.server.chat.protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from chatserve.tools import FunctionTool, ToolCallStreamParser, ToolChoice, ToolFormat
 
 

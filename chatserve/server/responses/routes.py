@@ -4,11 +4,11 @@
 A request's path is the chat route's: the same tool planning (`plan_tools`), rendering
 (`chat_prompt_ids`), prompt checks (`input_processor.process`, naming `input`), sampling
 (`build_sampling_params`) and constrained decoding (`request_constraint`: tools and `text.format`),
-only the input is items and the output is typed events (`responses_events`). With
+only the input is items and the output is typed events (`events`). With
 `previous_response_id` the prompt is the stored exact token ids of the earlier conversation plus
 only the new items (the continuation session turns use), so the prefix cache matches all of it.
 
-Background responses run on the run registry (runs.py, with a `detach` disconnect policy): every
+Background responses run on the run registry (streams/runs.py, with a `detach` disconnect policy): every
 event goes to the response's event log, and `GET /v1/responses/{id}?stream=true&starting_after=N`
 replays it from the cursor, then follows live, from any replica sharing the Redis.
 """
@@ -25,23 +25,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatserve.engine.input_processor import PromptError
+from chatserve.server.chat.generation import Generation
+from chatserve.server.chat.params import build_sampling_params, cap_max_tokens
+from chatserve.server.chat.prompts import chat_prompt_ids, continue_history, next_tool_turn_ids
+from chatserve.server.chat.structured import check_constraint, request_constraint
+from chatserve.server.chat.tool_request import ToolPlan, conversation, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, bad_request
-from chatserve.server.event_log import event_log_errors
-from chatserve.server.generation import Generation
 from chatserve.server.http_input import parse_model, read_body
-from chatserve.server.params import build_sampling_params, cap_max_tokens
-from chatserve.server.responses_input import chat_messages, clean_param, input_items
-from chatserve.server.responses_protocol import ResponsesRequest
-from chatserve.server.responses_run import TERMINAL, ResponseRun
-from chatserve.server.routes.admin import cancel_local
-from chatserve.server.routes.openai import chat_prompt_ids
-from chatserve.server.runs import DisconnectPolicy
-from chatserve.server.session_prompts import continue_history
-from chatserve.server.session_tools import next_tool_turn_ids
-from chatserve.server.streaming import dumps, run_or_disconnect, sse_response
-from chatserve.server.structured import check_constraint, request_constraint
-from chatserve.server.tool_request import ToolPlan, conversation, plan_tools
+from chatserve.server.responses.input import chat_messages, clean_param, input_items
+from chatserve.server.responses.protocol import ResponsesRequest
+from chatserve.server.responses.run import TERMINAL, ResponseRun
+from chatserve.server.streams.event_log import event_log_errors
+from chatserve.server.streams.runs import DisconnectPolicy
+from chatserve.server.streams.sse import dumps, run_or_disconnect, sse_response
 from chatserve.sessions.response_store import (
     ResponseStore,
     ResponseStoreUnavailable,
@@ -321,7 +318,7 @@ async def cancel_response(request: Request) -> Response:
         if found.get("status") in TERMINAL:  # finished before, or the run recorded its end since
             return JSONResponse(found)
         if deadline is None:
-            if await cancel_local(ctx, rid) is None and ctx.cancel_bus is not None:
+            if await ctx.tracker.cancel(rid) is None and ctx.cancel_bus is not None:
                 with contextlib.suppress(Exception):
                     await ctx.cancel_bus.cancel_remote(rid)
             deadline = loop.time() + _CANCEL_WAIT_S

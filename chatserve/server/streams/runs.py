@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from chatserve.server.errors import bad_request
-from chatserve.server.event_log import EventLog, EventLogError, LogInfo, MemoryEventLog
 from chatserve.server.settings import ServerSettings
+from chatserve.server.streams.event_log import EventLog, EventLogError, LogInfo, MemoryEventLog
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 `ResponseRun.events()` is the whole life of a response as OpenAI's event sequence
 (`response.created`, `response.in_progress`, the output item events, then `response.completed`,
 `response.incomplete` or `response.failed`), whoever consumes it: the SSE of a foreground stream,
-a collector for a JSON body, or the run registry (runs.py) that appends it to the event log of a
+a collector for a JSON body, or the run registry (streams/runs.py) that appends it to the event log of a
 background response. The stored record follows along: written when the run starts (queued or
 in_progress, so a GET or a cancel from any replica sees it), and once more at the end with the
 exact token ids of the conversation, *before* the final event goes out, so a client that chains
@@ -24,11 +24,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from chatserve.engine.async_engine import EngineDeadError
-from chatserve.server.choices import Usage
-from chatserve.server.generation import Generation
-from chatserve.server.responses_events import OutputBuilder, Sequencer
-from chatserve.server.responses_protocol import ResponsesRequest
-from chatserve.server.tool_request import ToolPlan
+from chatserve.server.chat.choices import Usage
+from chatserve.server.chat.generation import Generation
+from chatserve.server.chat.tool_request import ToolPlan
+from chatserve.server.responses.events import OutputBuilder, Sequencer
+from chatserve.server.responses.protocol import ResponsesRequest
 from chatserve.sessions import SessionStoreError
 from chatserve.sessions.response_store import ResponseStore
 

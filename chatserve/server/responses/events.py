@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chatserve.server.tool_request import ToolPlan
+from chatserve.server.chat.tool_request import ToolPlan
 from chatserve.sessions.response_store import new_item_id
 from chatserve.tools import ToolCall, ToolCallStreamParser
 from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from chatserve.server.choices import Accumulator, ChoiceDelta
-from chatserve.server.chunks import ChatFormat, chat_logprobs
-from chatserve.server.tool_request import ToolPlan
+from chatserve.server.chat.choices import Accumulator, ChoiceDelta
+from chatserve.server.chat.chunks import ChatFormat, chat_logprobs
+from chatserve.server.chat.tool_request import ToolPlan
 from chatserve.tools import ToolCallStreamParser, parse_tool_calls
 from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent
 

@@ -12,9 +12,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from chatserve.server.choices import Accumulator, Usage
+from chatserve.server.chat.choices import Accumulator, Usage
+from chatserve.server.chat.generation import Generation
 from chatserve.server.errors import APIError, bad_request
-from chatserve.server.generation import Generation
 from chatserve.sessions import (
     Message,
     SessionBusy,

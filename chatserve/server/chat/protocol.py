@@ -1,4 +1,8 @@
-"""Request bodies of the OpenAI-compatible API and the session API, validated by pydantic before any work is done.
+"""The request vocabulary every API family shares, validated by pydantic before any work is done.
+
+Sampling fields, chat messages, tools, `response_format` / structured outputs, and the refusal
+tables; the bodies themselves are in `openai/protocol.py` (chat and text completions),
+`sessions/protocol.py` (session turns) and `responses/protocol.py` (the Responses API).
 
 Strict types (no "0.5" for a float, no 1.0 for an int, no NaN or Infinity), ranges as OpenAI
 documents them, and vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) so the
@@ -364,73 +368,6 @@ class SamplingFields(StrictModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(SamplingFields):
-    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_CHAT}
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    add_generation_prompt: bool = True
-    # Passed to the chat template as variables (e.g. Qwen3's enable_thinking), as vLLM does.
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoiceField | None = None
-    parallel_tool_calls: bool = True
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key in kwargs or {}:
-            if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
-                raise ValueError(f"{key!r} cannot be set through chat_template_kwargs (use the request's own "
-                                 f"fields; template variables must be identifiers)")
-        return kwargs
-
-    @model_validator(mode="after")
-    def _consistent_chat(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
-        check_tools(self.tools, self.tool_choice)
-        return self
-
-    def effective_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-PromptInput = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
-    list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)
-]
-
-
-class CompletionRequest(SamplingFields):
-    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, "suffix": (lambda v: v == "", "suffix (insertion)")}
-
-    prompt: PromptInput
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
-    best_of: PositiveInt | None = None
-    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions (also when sent as null)
-
-    @model_validator(mode="after")
-    def _consistent_completion(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise field_error("best_of", "best_of different from n is not supported by this server")
-        return self
-
-    def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: a string or a list of token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
-
-
 def check_tools(tools: list[ToolDefinition] | None, tool_choice: Any) -> None:
     """Function names unique; a tool_choice other than none/auto needs tools, a named one a tool of that name."""
     names = [t.function.name for t in tools or []]
@@ -444,89 +381,3 @@ def check_tools(tools: list[ToolDefinition] | None, tool_choice: Any) -> None:
                                              f"not in tools (tools: {known})")
     elif tool_choice == "required" and not names:
         raise field_error("tool_choice", 'tool_choice "required" needs at least one tool in tools')
-
-
-# ---- the session API ------------------------------------------------------------------------------
-class SessionDefaults(StrictModel):
-    """Sampling defaults stored with a session; each turn's own fields override them."""
-
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    max_tokens: PositiveInt | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    seed: Seed | None = None
-    # not sampling: how long this session's cached KV stays leased after each turn (the server's
-    # --kv-lease-seconds when unset; 0: no lease)
-    kv_lease_seconds: Annotated[float, Field(ge=0.0, le=7 * 24 * 3600)] | None = None
-
-
-class CreateSessionRequest(StrictModel):
-    system_prompt: Annotated[str, Field(max_length=200_000)] | None = None
-    metadata: dict[str, Any] | None = None
-    ttl_seconds: Annotated[int, Field(ge=1, le=365 * 24 * 3600)] | None = None
-    defaults: SessionDefaults | None = None
-
-
-class UpdateSessionRequest(StrictModel):
-    """PATCH /v1/sessions/{id}: the fields given change (`title: ""` clears the title); defaults
-    replace the stored ones whole."""
-
-    title: Annotated[str, Field(max_length=200)] | None = None
-    metadata: dict[str, Any] | None = None
-    defaults: SessionDefaults | None = None
-
-
-class ForkSessionRequest(StrictModel):
-    """POST /v1/sessions/{id}/fork: a new session with the first `keep_turns` turns of this one."""
-
-    keep_turns: Annotated[int, Field(ge=0)]
-    title: Annotated[str, Field(max_length=200)] | None = None
-    metadata: dict[str, Any] | None = None
-
-
-class ToolResult(StrictModel):
-    """The result of one call of the last reply, handed back in a session turn."""
-
-    tool_call_id: Annotated[str, Field(min_length=1)]
-    content: str
-
-
-class SessionMessageRequest(SamplingFields):
-    """One user turn; a session turn streams by default (it is a chat UI's main call)."""
-
-    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_SESSION}
-
-    content: Annotated[str, Field(min_length=1)] | None = None
-    stream: bool = True
-    logprobs: bool = False
-    # tools offered this turn, and the results of the calls the last reply made (then content is optional)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoiceField | None = None
-    parallel_tool_calls: bool = True
-    tool_results: Annotated[list[ToolResult], Field(min_length=1)] | None = None
-
-    @model_validator(mode="after")
-    def _says_something(self) -> SessionMessageRequest:
-        if self.content is None and self.tool_results is None:
-            raise field_error("content", "a turn needs content (the user's message) or tool_results")
-        check_tools(self.tools, self.tool_choice)
-        return self
-
-    @property
-    def has_tools(self) -> bool:
-        return bool(self.tools or self.tool_results)
-
-
-class SessionRegenerateRequest(SamplingFields):
-    """POST /v1/sessions/{id}/regenerate: a new reply to the last user message, in place of the last
-    reply; the sampling fields of a turn (the stored user message is the content)."""
-
-    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_SESSION}
-
-    stream: bool = True
-    logprobs: bool = False

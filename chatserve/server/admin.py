@@ -3,13 +3,12 @@
 The cancel endpoint answers with the request's final state (what it was doing when cancelled,
 how many blocks it gave back), also for a request that already finished, so repeating a cancel
 or cancelling late is not an error. Behind a router, a cancel for a request another replica holds
-is passed to it over Redis (server/cancel_bus.py).
+is passed to it over Redis (cancel_bus.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -17,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatserve.server.cancel_bus import CancelBusUnavailable
-from chatserve.server.context import ServerContext, get_context
+from chatserve.server.context import get_context
 from chatserve.server.errors import APIError, error_body
 
 
@@ -79,7 +78,7 @@ async def debug_cache(request: Request) -> JSONResponse:
 async def cancel_request(request: Request) -> JSONResponse:
     ctx = get_context(request)
     rid = request.path_params["request_id"]
-    state = await cancel_local(ctx, rid)
+    state = await ctx.tracker.cancel(rid)
     if state is None and ctx.cancel_bus is not None:  # behind a router: maybe another replica holds it
         try:
             state = await ctx.cancel_bus.cancel_remote(rid)
@@ -90,16 +89,6 @@ async def cancel_request(request: Request) -> JSONResponse:
         raise APIError(404, f"no request with id {rid!r} is running or finished recently", param="request_id",
                        code="request_not_found")
     return JSONResponse(state)
-
-
-async def cancel_local(ctx: ServerContext, rid: str) -> dict[str, Any] | None:
-    """Cancel `rid` if this process holds it (idempotent); its final state, or None if unknown here."""
-    rec = ctx.tracker.get(rid)
-    if rec is None:
-        return None
-    if not rec.finished and rec.owner is not None:
-        await rec.owner.cancel()
-    return rec.final_state()
 
 
 def routes() -> list[Route]:

@@ -3,7 +3,7 @@
 Chat and text completions share one skeleton (`ReplyFormat`): the same envelope (`id`, `object`,
 `created`, `model`, `system_fingerprint`, `choices`, `usage`) around choices that differ only in
 shape. A subclass says what opens a stream, which choices one delta becomes, and what one choice
-of the whole reply looks like; `streaming` and the routes drive either one the same way.
+of the whole reply looks like; `replies` and the routes drive either one the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from chatserve.outputs import Logprob
-from chatserve.server.choices import Accumulator, ChoiceDelta, ChoiceState, Usage
+from chatserve.server.chat.choices import Accumulator, ChoiceDelta, ChoiceState, Usage
 
 
 # ---- logprobs ------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ function calls that follow it are one assistant message with `tool_calls` (how c
 render a reply that called tools); a `function_call_output` is a `role: "tool"` message. From
 there the prompt is built by the chat route's own rendering (`routes.openai.chat_prompt_ids`) or,
 after a `previous_response_id`, by the session turns' continuation of exact stored tokens
-(`session_prompts.continue_history` via `session_tools.next_tool_turn_ids`).
+(`chat/prompts.py`: `continue_history` via `next_tool_turn_ids`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from chatserve.server.protocol import ChatMessage, ToolCallFunction, ToolCallIn
-from chatserve.server.responses_protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
+from chatserve.server.chat.protocol import ChatMessage, ToolCallFunction, ToolCallIn
+from chatserve.server.responses.protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 from chatserve.sessions.response_store import new_item_id
 
 

@@ -3,6 +3,9 @@
 Sequences are ordered decodes first, then extends (prefill chunks, possibly over a cached
 prefix). The batch holds the flat token data every layer shares and the attention backend's own
 metadata (`attn`), prepared once here; the model reads it and writes nothing into it.
+
+It lives below both its writer (worker/model_runner.py) and its reader (models/), as vLLM's
+forward context does: a model imports what it reads, never the worker that runs it.
 """
 
 from __future__ import annotations

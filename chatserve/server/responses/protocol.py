@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from chatserve.server.protocol import (
+from chatserve.server.chat.protocol import (
     FunctionDefinition,
     FunctionName,
     JSONSchemaSpec,
@@ -272,7 +272,7 @@ class ResponsesRequest(StrictModel):
     seed: Seed | None = None
     ignore_eos: bool = False
     # chatserve's extension (as on Chat Completions): what a lost connection means, "abort" or "detach"
-    # with a lease; background responses detach by default (see routes/responses.py)
+    # with a lease; background responses detach by default (see responses/routes.py)
     disconnect_policy: Any = None
 
     @field_validator("input", mode="before")

@@ -9,44 +9,34 @@ naming the field), build the `SamplingParams`, start the `Generation`, then stre
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatserve.engine.input_processor import ProcessedPrompt
-from chatserve.server.choices import Accumulator
-from chatserve.server.chunks import ChatFormat, CompletionFormat, ReplyFormat
+from chatserve.server.chat.choices import Accumulator
+from chatserve.server.chat.chunks import ChatFormat, CompletionFormat, ReplyFormat
+from chatserve.server.chat.generation import Generation
+from chatserve.server.chat.params import build_sampling_params, cap_max_tokens, check_limits
+from chatserve.server.chat.prompts import chat_prompt_ids
+from chatserve.server.chat.replies import collect_reply, logged_stream, stream_events, stream_policy
+from chatserve.server.chat.structured import check_constraint, request_constraint
+from chatserve.server.chat.tool_replies import ToolChatFormat
+from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
-from chatserve.server.errors import bad_request
-from chatserve.server.generation import Generation
+from chatserve.server.errors import APIError, bad_request
 from chatserve.server.http_input import read_model, request_id_from
-from chatserve.server.params import build_sampling_params, cap_max_tokens, check_limits
-from chatserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from chatserve.server.resumable import logged_stream, stream_policy
-from chatserve.server.runs import DisconnectPolicy
-from chatserve.server.streaming import collect_reply, sse_response, stream_events
-from chatserve.server.structured import check_constraint, request_constraint
-from chatserve.server.tool_replies import ToolChatFormat
-from chatserve.server.tool_request import ToolPlan, conversation, plan_tools
-
-
-def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None) -> list[int]:
-    """The messages through the chat template (a PromptError names `messages`); template_kwargs (the
-    request's chat_template_kwargs) are variables for the template, as in vLLM; the plan's tools are offered."""
-    if len(messages) > ctx.settings.max_messages:
-        raise bad_request(f"at most {ctx.settings.max_messages} messages are allowed, got {len(messages)}",
-                          param="messages")
-    return ctx.engine.input_processor.render_chat(
-        conversation(messages), add_generation_prompt=add_generation_prompt, chat_template=ctx.chat_template,
-        tools=plan.template_tools() if plan is not None else None, param="messages", **(template_kwargs or {}))
+from chatserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from chatserve.server.streams.event_log import event_log_errors
+from chatserve.server.streams.resume import MAX_ID_LEN, cursor, follow_sse
+from chatserve.server.streams.runs import DisconnectPolicy
+from chatserve.server.streams.sse import sse_response
 
 
 def chat_token_ids(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
     """A chat body's prompt ids through the template, and its tool plan: the one rendering that the chat
-    route and the render/tokenize routes (routes/tokens.py) share, so a router's view of our tokens cannot drift."""
+    route and the render/tokenize routes (openai/tokens.py) share, so a router's view of our tokens cannot drift."""
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.engine.input_processor,
                       ctx.chat_template)
     return chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan), plan
@@ -148,11 +138,38 @@ async def list_models(request: Request) -> JSONResponse:
     }]})
 
 
+async def resume_stream(request: Request) -> Response:
+    ctx = get_context(request)
+    run_id = request.path_params["stream_id"]
+    prefix = "cmpl-" if request.url.path.startswith("/v1/completions/") else "chatcmpl-"
+    if not run_id.startswith(prefix) or len(run_id) > MAX_ID_LEN or not run_id.isprintable():
+        raise APIError(404, f"no resumable stream {run_id[:MAX_ID_LEN]!r} (ids start with {prefix!r})",
+                       param="id", code="not_found")
+    after, param = cursor(request)
+    with event_log_errors(param):
+        info = await ctx.runs.info(run_id)
+    if info is None:
+        raise APIError(404, f"no resumable stream {run_id!r}: it was not resumable (stream_options.resumable or "
+                       f"disconnect_policy 'detach'), or its events expired", param="id", code="not_found")
+    if after + 1 < info.first_seq:
+        raise bad_request(f"events after {after} are no longer kept (the oldest kept is {info.first_seq})",
+                          param=param, code="cursor_expired")
+    # NOTE: only an ended log can say a cursor is too far: while the run goes on, the shared log may lag
+    # the replica's own mirror (whose ids the client saw) by the batch in flight, so the reader waits.
+    if info.ended is not None and after >= info.next_seq:
+        raise bad_request(f"{param} {after} is beyond the stream's last event ({info.next_seq - 1})", param=param)
+    return sse_response(follow_sse(ctx.runs, run_id, after), keepalive_s=ctx.settings.sse_keepalive_s,
+                        headers={"X-Request-Id": run_id.split("-", 1)[1]})
+
+
 def routes() -> list[Route]:
     return [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        # a logged stream read back (streams/resume.py); session turns resume by their chatcmpl- id too
+        Route("/v1/chat/completions/{stream_id}/stream", resume_stream, methods=["GET"]),
+        Route("/v1/completions/{stream_id}/stream", resume_stream, methods=["GET"]),
     ]
 
 

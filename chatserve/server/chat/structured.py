@@ -19,9 +19,9 @@ from jsonschema.validators import validator_for
 
 from chatserve.engine.async_engine import AsyncLLMEngine
 from chatserve.sampling_params import StructuredOutputsParams
+from chatserve.server.chat.protocol import SamplingFields
+from chatserve.server.chat.tool_request import ToolPlan
 from chatserve.server.errors import bad_request
-from chatserve.server.protocol import SamplingFields
-from chatserve.server.tool_request import ToolPlan
 from chatserve.tools import tool_grammar
 
 

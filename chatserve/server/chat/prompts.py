@@ -1,4 +1,5 @@
-"""Token ids of one new user turn appended to a session's exact token history.
+"""A chat's prompt token ids: messages through the chat template, or a kept token history
+continued by new messages (what a session turn and a Responses follow-up both do).
 
 Re-rendering the whole conversation through the chat template can give other tokens than the
 ones the model saw (and then the prefix cache misses). So the history is kept as token ids and
@@ -12,21 +13,12 @@ from collections.abc import Collection
 from typing import Any
 
 from chatserve.engine.input_processor import InputProcessor
+from chatserve.server.chat.protocol import ChatMessage
+from chatserve.server.chat.tool_request import ToolPlan, conversation
+from chatserve.server.context import ServerContext
+from chatserve.server.errors import bad_request
 
 _SENTINEL = "\x1fCHATSERVE_SENTINEL\x1f"
-
-
-def first_turn_ids(input_processor: InputProcessor, system_prompt: str | None, content: str) -> list[int]:
-    """No history yet: the whole conversation through the template (PromptError names `content`)."""
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": content}
-    ]
-    return input_processor.render_chat(messages, add_generation_prompt=True, param="content")
-
-
-def next_turn_ids(tokenizer: Any, history: list[int], content: str, eos_token_ids: Collection[int]) -> list[int]:
-    """history (prompt + reply of the last turn, exactly as generated) + the new user turn."""
-    return continue_history(tokenizer, history, [{"role": "user", "content": content}], eos_token_ids)
 
 
 def continue_history(tokenizer: Any, history: list[int], messages: list[dict[str, Any]], eos_token_ids: Collection[int],
@@ -50,3 +42,23 @@ def continue_history(tokenizer: Any, history: list[int], messages: list[dict[str
         if close.startswith(eos_text):
             close = close[len(eos_text):]
     return list(history) + list(tokenizer.encode(close + new_turn, add_special_tokens=False))
+
+
+def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None) -> list[int]:
+    """The messages through the chat template (a PromptError names `messages`); template_kwargs (the
+    request's chat_template_kwargs) are variables for the template, as in vLLM; the plan's tools are offered."""
+    if len(messages) > ctx.settings.max_messages:
+        raise bad_request(f"at most {ctx.settings.max_messages} messages are allowed, got {len(messages)}",
+                          param="messages")
+    return ctx.engine.input_processor.render_chat(
+        conversation(messages), add_generation_prompt=add_generation_prompt, chat_template=ctx.chat_template,
+        tools=plan.template_tools() if plan is not None else None, param="messages", **(template_kwargs or {}))
+
+
+def next_tool_turn_ids(processor: InputProcessor, history: list[int], messages: list[dict[str, Any]],
+                       eos_token_ids: Collection[int], plan: ToolPlan | None, chat_template: str | None) -> list[int]:
+    """history (exactly as generated, tool calls included) + the new messages and the generation prompt."""
+    template = processor.tool_rendering(chat_template).chat_template
+    kwargs: dict[str, Any] = {"tools": plan.template_tools()} if plan is not None and plan.template_tools() else {}
+    return continue_history(processor.tokenizer, history, messages, eos_token_ids, chat_template=template, **kwargs)

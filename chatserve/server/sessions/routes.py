@@ -1,8 +1,8 @@
 """The session API: multi-turn chats whose exact token history lives in a SessionStore (Redis).
 
 Every turn reuses the cached KV of the whole history: its prompt is the stored token ids plus
-the new user turn (`session_prompts`), so the radix tree matches all of it. One turn at a time
-per session (an expiring lock, `session_turn`); a finished, cancelled or disconnected turn is
+the new user turn (`prompts`), so the radix tree matches all of it. One turn at a time
+per session (an expiring lock, `turn`); a finished, cancelled or disconnected turn is
 written atomically, partial replies marked `finish_reason: "abort"`. Store outages are 503s that
 heal by themselves.
 """
@@ -20,29 +20,29 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from chatserve.server.choices import Accumulator
-from chatserve.server.chunks import ChatFormat
+from chatserve.server.chat.choices import Accumulator
+from chatserve.server.chat.chunks import ChatFormat
+from chatserve.server.chat.generation import Generation
+from chatserve.server.chat.params import build_sampling_params, cap_max_tokens, check_limits, check_stop_list
+from chatserve.server.chat.prompts import next_tool_turn_ids
+from chatserve.server.chat.replies import collect_reply, logged_stream, stream_events, stream_policy
+from chatserve.server.chat.structured import check_constraint, request_constraint
+from chatserve.server.chat.tool_replies import ToolChatFormat
+from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, bad_request
-from chatserve.server.generation import Generation
 from chatserve.server.http_input import read_model, request_id_from
-from chatserve.server.params import build_sampling_params, cap_max_tokens, check_limits, check_stop_list
-from chatserve.server.protocol import (
+from chatserve.server.sessions.cache import report_for_api, turn_kv
+from chatserve.server.sessions.prompts import first_tool_turn_ids, first_turn_ids, new_messages, next_turn_ids, stored_user_text
+from chatserve.server.sessions.protocol import (
     CreateSessionRequest,
     ForkSessionRequest,
     SessionMessageRequest,
     SessionRegenerateRequest,
     UpdateSessionRequest,
 )
-from chatserve.server.resumable import logged_stream, stream_policy
-from chatserve.server.session_cache import report_for_api, turn_kv
-from chatserve.server.session_prompts import first_turn_ids, next_turn_ids
-from chatserve.server.session_tools import first_tool_turn_ids, new_messages, next_tool_turn_ids, stored_user_text
-from chatserve.server.session_turn import SessionTurn, reply_stats, store_errors
-from chatserve.server.streaming import collect_reply, sse_response, stream_events
-from chatserve.server.structured import check_constraint, request_constraint
-from chatserve.server.tool_replies import ToolChatFormat
-from chatserve.server.tool_request import ToolPlan, plan_tools
+from chatserve.server.sessions.turn import SessionTurn, reply_stats, store_errors
+from chatserve.server.streams.sse import sse_response
 from chatserve.sessions import Message, Session, SessionNotFound, SessionStore
 from chatserve.sessions.models import turn_bounds
 
@@ -137,7 +137,7 @@ async def post_message(request: Request) -> Response:
     engine = ctx.engine
 
     def plan(session: Session, messages: list[Message], history: list[int]) -> TurnPrompt:
-        if body.has_tools:  # tools offered or tool results handed back: session_tools renders the new part
+        if body.has_tools:  # tools offered or tool results handed back: sessions/prompts.py renders the new part
             tools = session_tool_plan(ctx, body)
             new = new_messages(body)
             if history:

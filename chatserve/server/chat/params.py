@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from chatserve.sampling_params import SamplingParams
+from chatserve.server.chat.protocol import SamplingFields
 from chatserve.server.errors import bad_request
-from chatserve.server.protocol import SamplingFields
 from chatserve.server.settings import ServerSettings
 
 

@@ -1,0 +1,93 @@
+"""Request bodies of `/v1/chat/completions` and `/v1/completions`, validated by pydantic before any work.
+
+The fields they share with every API family (sampling, messages, tools, structured outputs) and
+the rules every body keeps (nulls, refused fields, unknown fields) are in `chat/protocol.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Field, field_validator, model_validator
+
+from chatserve.server.chat.protocol import (
+    REFUSED_CHAT,
+    REFUSED_SAMPLING,
+    RESERVED_TEMPLATE_KWARGS,
+    ChatMessage,
+    PositiveInt,
+    Refusal,
+    SamplingFields,
+    ToolChoiceField,
+    ToolDefinition,
+    check_tools,
+    field_error,
+)
+
+
+class ChatCompletionRequest(SamplingFields):
+    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_CHAT}
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+    # Passed to the chat template as variables (e.g. Qwen3's enable_thinking), as vLLM does.
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+                raise ValueError(f"{key!r} cannot be set through chat_template_kwargs (use the request's own "
+                                 f"fields; template variables must be identifiers)")
+        return kwargs
+
+    @model_validator(mode="after")
+    def _consistent_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
+        check_tools(self.tools, self.tool_choice)
+        return self
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptInput = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
+    list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)
+]
+
+
+class CompletionRequest(SamplingFields):
+    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, "suffix": (lambda v: v == "", "suffix (insertion)")}
+
+    prompt: PromptInput
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: PositiveInt | None = None
+    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions (also when sent as null)
+
+    @model_validator(mode="after")
+    def _consistent_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise field_error("best_of", "best_of different from n is not supported by this server")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]

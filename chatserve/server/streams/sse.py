@@ -1,0 +1,98 @@
+"""Server-sent events on the wire: one JSON data line per event, numbered ids, keepalive comments,
+and the race between a piece of work and the client's disconnect.
+
+Nothing here knows what the events say (chat chunks, Responses events, a run's log): the
+families build their events and hand them to `sse_response`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from sse_starlette.event import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+
+# Characters that str.splitlines() (and so the openai SDK's SSE decoder, and httpx's iter_lines)
+# takes for line ends although SSE does not: raw inside a data line they cut one event in two. JSON
+# escapes the other ones (< 0x20) itself; these it leaves raw with ensure_ascii=False.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON for one SSE data line: UTF-8 as is, except the line breaks splitlines() sees."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_KEEPS)
+
+
+class SSECounter:
+    """Numbers the SSE events of one stream (the `id:` field) 0, 1, 2, ...: the numbering of the event
+    log too, so a resumable stream's ids (its log's sequence numbers) and a plain stream's agree."""
+
+    def __init__(self) -> None:
+        self.n = -1
+
+    def event(self, data: Any) -> dict[str, Any]:
+        self.n += 1
+        return {"id": str(self.n), "data": data if isinstance(data, str) else dumps(data)}
+
+
+class Keepalive(ServerSentEvent):
+    """A keepalive: one SSE comment line and no blank line after it.
+
+    NOTE: the events carry `id:` lines (a stream can be resumed from a cursor), and the decoders
+    most clients run (the openai SDK's `SSEDecoder`, httpx-sse, everything built on them) keep the
+    last event id and dispatch an event at *every* blank line once they have one, with empty
+    `data` if nothing came since, which the SDK then json-parses and dies on. sse-starlette's
+    default ping is a comment *plus* a blank line, so it broke every stream that lived longer than
+    one keepalive interval. A comment line on its own is skipped by every spec-following parser
+    (it adds no field, so the next real event is unchanged) and still keeps proxies and idle
+    timeouts from closing the connection. Events are written one `send` each, so a keepalive only
+    ever lands between two complete events.
+    """
+
+    LINE = b": keepalive\r\n"
+
+    def __init__(self) -> None:
+        super().__init__(comment="keepalive")
+
+    def encode(self) -> bytes:
+        return self.LINE
+
+
+def sse_response(events: AsyncIterator[dict[str, Any]], *, keepalive_s: float,
+                 headers: dict[str, str]) -> EventSourceResponse:
+    """An SSE response that writes a keepalive comment every keepalive_s from start to end, while the
+    request waits in the queue, prefills and decodes alike (so proxies keep the connection open)."""
+    return EventSourceResponse(events, ping=keepalive_s, ping_message_factory=Keepalive,
+                               headers={**headers, "Cache-Control": "no-cache"})
+
+
+async def wait_for_disconnect(receive: Any) -> None:
+    """Returns when the client has gone (after the body was read, receive() only reports that)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_or_disconnect(coro: Coroutine[Any, Any, Any], receive: Any) -> tuple[bool, Any]:
+    """Run coro unless the client disconnects first. Returns (completed, result)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return True, task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
+        pass
+    return False, None

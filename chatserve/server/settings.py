@@ -10,7 +10,7 @@ class ServerSettings:
     """Everything `create_app` needs besides the engine and the session store.
 
     The limits bound what one request may ask for, so a single client cannot make the server
-    allocate without bound (see docs in README "Limits"). Each field's default and
+    allocate without bound (see docs/serving.md, "Limits"). Each field's default and
     `metadata["help"]` are the only copies: `chatserve serve` generates a flag per field from them.
     """
 

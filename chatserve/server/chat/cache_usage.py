@@ -2,7 +2,7 @@
 (and, with speculative decoding, how many draft tokens were verified and kept: `speculative`).
 
 OpenAI clients ignore unknown `usage` fields, so this rides next to
-`prompt_tokens_details.cached_tokens` in every reply, zeros included (see README "Why a request
+`prompt_tokens_details.cached_tokens` in every reply, zeros included (see docs/prefix-cache.md, "Why a request
 missed the cache"). It is read from each engine request's `RequestStats`, the one record of it.
 """
 

@@ -13,7 +13,7 @@ clients written for either keep working. Three rules hold for every body and eve
   ...) but is not implemented is refused with a 400 naming it (`REFUSED_*` below) unless it has
   its neutral value: never silently served without it. Tools and structured outputs are served
   (`tools`, `tool_choice`, `response_format`, `structured_outputs` and vLLM's `guided_*`).
-- Any other unknown field is ignored, as OpenAI-compatible servers commonly do; README.md lists
+- Any other unknown field is ignored, as OpenAI-compatible servers commonly do; docs/openai-api.md lists
   the known ones that are ignored on purpose.
 """
 

@@ -251,7 +251,7 @@ class ResponsesRequest(StrictModel):
     user: str | None = None  # stored and echoed; no effect on the reply
     safety_identifier: str | None = None  # idem
     prompt_cache_key: str | None = None  # a routing hint for OpenAI; our prefix cache needs none
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # idem (leases: see the README)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # idem (leases: see docs/prefix-cache.md)
     # the include/reasoning/... fields of REFUSED_RESPONSES: declared so that forbid does not pre-empt
     # the refusal's clearer message; only their neutral values ever get here
     include: list[Any] | None = None

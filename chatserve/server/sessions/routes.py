@@ -294,7 +294,7 @@ async def update_session(request: Request) -> JSONResponse:
 async def fork_session(request: Request) -> JSONResponse:
     """A branch: a new session with the first `keep_turns` turns and their exact token history, so its
     next turn's prompt is a prefix-cache hit up to the branch point (an edit is a fork at the edited
-    turn followed by the new message on the fork; see the README's sessions section)."""
+    turn followed by the new message on the fork; see docs/sessions.md)."""
     ctx = get_context(request)
     store = _store(ctx)
     sid = request.path_params["session_id"]

@@ -94,7 +94,7 @@ import bench_common as bc  # noqa: E402  (stdlib-only at import)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's chatserve
 # chatserve.bench's client modules import neither torch nor the engine (chatserve/__init__.py is lazy).
-from chatserve.bench.client import StreamError, chunk_text, finish_reason, parse_prometheus, sse_events  # noqa: E402
+from chatserve.bench.client import StreamError, chunk_text, finish_reason, first_model, parse_prometheus, sse_events  # noqa: E402
 from chatserve.bench.text import FOLLOW_UPS as _FOLLOW_UPS  # noqa: E402
 from chatserve.bench.text import QUESTIONS as _QUESTIONS  # noqa: E402
 from chatserve.bench.text import cap as _cap  # noqa: E402
@@ -262,15 +262,7 @@ class Server:
         await self.client.aclose()
 
     async def model_name(self) -> str | None:
-        try:
-            r = await self.client.get(f"{self.base}/v1/models", timeout=10)
-            if r.status_code == 200:
-                data = r.json().get("data") or []
-                if data:
-                    return data[0].get("id")
-        except (httpx.HTTPError, ValueError):
-            pass
-        return None
+        return await first_model(self.client, self.base)
 
     async def metrics(self) -> dict[str, Any] | None:
         """chatserve's metrics, or None if the server exposes none (or other ones)."""

@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram prompt lookup): outputs identical to plain decoding, token for token.
+"""Speculative decoding (ngram prompt lookup and suffix trees): outputs identical to plain decoding, token for token.
 
 Exactness rests on the batch-invariant kernels (a row's logits have the same bits whether it is
 verified among drafts or decoded alone) and on the sample-and-match acceptance, which draws the

@@ -96,9 +96,9 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     if "method" not in value:
         raise ValueError(f"speculative_config.method is required ({' or '.join(SPEC_METHODS)})")
     method = value["method"]
-    for other, others_keys in _METHOD_OPTIONS.items():
-        if other != method and method in _METHOD_OPTIONS:
-            given = sorted(others_keys & set(value))
+    if method in _METHOD_OPTIONS:  # (an unknown method is refused by SpeculativeConfig, naming it)
+        for other, others_keys in _METHOD_OPTIONS.items():
+            given = sorted(others_keys & set(value)) if other != method else []
             if given:
                 raise ValueError(f"speculative_config.{given[0]} applies to method {other}, not {method}")
     return SpeculativeConfig(**value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -93,6 +94,24 @@ def _check_zmq_tcp_endpoint(name: str, value: str | None) -> None:
         raise ValueError(f"{name} must be tcp://HOST:PORT (HOST may be * for every interface); got {value!r}")
 
 
+def _check_weight_cache_dir(enabled: bool, value: str | None) -> None:
+    """`weight_cache_dir` must be a folder, or a path where one can be made, and only with the cache on."""
+    if value is None:
+        return
+    if not enabled:
+        raise ValueError(f"weight_cache_dir={value!r} is set but weight_cache is off; drop one of them")
+    if not value.strip():
+        raise ValueError("weight_cache_dir must be a folder path; got an empty string (leave it unset for the default)")
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"weight_cache_dir={value!r} exists and is not a folder; pass a folder (it is created if missing)")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"weight_cache_dir={value!r}: {parent} is a file, so the folder cannot be created")
+            break
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Every option of `LLM` and the server's engine, in one place.
@@ -137,6 +156,13 @@ class EngineArgs:
                 "avx512_bf16, avx512_vnni, avx2_vnni, avx2 (a tier the CPU lacks is an error)"})
     amx: bool = field(default=True, metadata={
         "help": "within the CPU kernels, Intel AMX tiles where the CPU has them (off: the AVX512-BF16 path)"})
+    weight_cache: bool = field(default=True, metadata={
+        "help": "write the repacked weights (per kernel tier, quantization and dtype) once to a disk cache and "
+                "memory-map them read-only at later starts: no repacking, and replicas on one machine share the "
+                "pages (off: load and repack at every start, into private memory)"})
+    weight_cache_dir: str | None = field(default=None, metadata={
+        "help": "folder of the repacked-weight cache, created if missing (default: repacked-weights/ beside the "
+                "GGUF metadata cache: $CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model name clients send and see (default: from the model)"})
     kv_events_endpoint: str | None = field(default=None, metadata={
@@ -175,6 +201,7 @@ class EngineArgs:
             raise ValueError(f"cpu_kernel_tier must be one of {', '.join(TIER_CHOICES)}; got {self.cpu_kernel_tier!r}")
         if self.cpu_kernel_tier != "auto" and not self.cpu_kernels:
             raise ValueError(f"cpu_kernel_tier={self.cpu_kernel_tier!r} asks for compiled kernels, but cpu_kernels is off")
+        _check_weight_cache_dir(self.weight_cache, self.weight_cache_dir)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

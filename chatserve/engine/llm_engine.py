@@ -31,6 +31,7 @@ from chatserve.kernels.cpu import load_cpu_kernels
 from chatserve.layers.ops import select_layer_ops
 from chatserve.models.config import ModelConfig
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from chatserve.models.weight_cache import WeightCacheConfig
 from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
 from chatserve.spec_decode.config import parse_speculative_config
@@ -106,7 +107,9 @@ class LLMEngine:
         self.attention_backend = ops.attention.name  # "torch", "cpu" or "triton"
         self.runner = ModelRunner(
             self.source, self.hf_config, cfg, cache_cfg, self.dtype, self.device, max_model_len=max_len, ops=ops,
+            weight_cache=WeightCacheConfig(args.weight_cache, args.weight_cache_dir),
         )
+        logger.info("weight cache: %s", self.runner.weight_cache.describe())
         self.runner.eos_token_ids = tuple(self.eos_token_ids)
         pool = self.runner.pool
         self.max_model_len_note = ""

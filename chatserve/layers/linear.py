@@ -43,6 +43,7 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,8 @@ from chatserve.kernels.cpu import MAX_GEMV_ROWS, CpuKernels, PackedGemm
 logger = logging.getLogger(__name__)
 
 Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# What a method's `process` left on a layer besides its parameters: tensors and JSON values by key.
+ProcessedState = dict[str, Any]
 KERNEL_MAX_ROWS = MAX_GEMV_ROWS  # our kernel handles any M; up to here it is faster than oneDNN
 ONEDNN_MIN_ROWS = KERNEL_MAX_ROWS
 
@@ -163,6 +166,16 @@ class LinearMethod(ABC):
         """The token embedding of a model whose lm_head is `head` with tied weights (processed)."""
         return embedding
 
+    def processed_state(self, layer: Linear) -> ProcessedState | None:
+        """What `process` left on `layer` besides its parameters (which the weight cache saves by
+        name), for models/weight_cache.py: tensors and JSON values by key; None where this method's
+        layout cannot be written to a file (oneDNN's opaque packed tensors)."""
+        return {}
+
+    def restore_processed(self, layer: Linear, state: ProcessedState) -> None:  # noqa: B027
+        """Put back what `processed_state` returned, its tensors now views of the cache file's
+        mapping; the layer's parameters are restored by the cache before this call."""
+
 
 class TorchLinearMethod(LinearMethod):
     description = "torch F.linear"
@@ -183,6 +196,9 @@ class OneDNNPackedLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return onednn_linear(x, layer.packed_weight, layer.bias)
+
+    def processed_state(self, layer: Linear) -> None:
+        return None  # a mkldnn tensor: its layout is oneDNN's own, not bytes we can map back
 
 
 class GemvLinearMethod(LinearMethod):
@@ -236,6 +252,13 @@ class PackedGemmLinearMethod(LinearMethod):
             x = x.contiguous()
         return self.gemm.linear(x, layer.packed_weight, layer.bias, layer.out_features)
 
+    def processed_state(self, layer: Linear) -> ProcessedState:
+        return {"packed_weight": layer.packed_weight}
+
+    def restore_processed(self, layer: Linear, state: ProcessedState) -> None:
+        layer._parameters.pop("weight", None)  # a fresh model's unfilled weight: `process` drops it too
+        layer.packed_weight = state["packed_weight"]
+
     def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
         return PackedEmbedding(head, self.gemm.rows)
 
@@ -262,6 +285,13 @@ class AmxLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.amx.linear(x, layer.packed_weight, layer.bias, layer.out_features)
+
+    def processed_state(self, layer: Linear) -> ProcessedState:
+        return {"packed_weight": layer.packed_weight}
+
+    def restore_processed(self, layer: Linear, state: ProcessedState) -> None:
+        layer._parameters.pop("weight", None)  # a fresh model's unfilled weight: `process` drops it too
+        layer.packed_weight = state["packed_weight"]
 
     def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
         return PackedEmbedding(head, self.amx.rows)

@@ -38,7 +38,7 @@ from chatserve.kernels.quant_reference import (
     quantize_int8_per_channel,
     reference_quant_kernels,
 )
-from chatserve.layers.linear import Linear, LinearMethod
+from chatserve.layers.linear import Linear, LinearMethod, ProcessedState
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,18 @@ class QuantizedLinearMethod(LinearMethod):
         layer.__dict__.pop("quant_parts", None)
         layer.quant_segments = segments
         del layer.weight
+
+    def processed_state(self, layer: Linear) -> ProcessedState:
+        segments: list[Segment] = layer.quant_segments
+        state: ProcessedState = {"segments": [[s.start, s.n, s.qtype] for s in segments]}
+        state.update((f"segment{i}", s.packed) for i, s in enumerate(segments))
+        return state
+
+    def restore_processed(self, layer: Linear, state: ProcessedState) -> None:
+        layer._parameters.pop("weight", None)  # a fresh model's unfilled weight: `process` drops it too
+        layer.__dict__.pop("quant_parts", None)
+        layer.quant_segments = [Segment(int(start), int(n), None if qtype is None else int(qtype), state[f"segment{i}"])
+                                for i, (start, n, qtype) in enumerate(state["segments"])]
 
     def _run(self, seg: Segment, x: torch.Tensor, k: int, bias: torch.Tensor | None) -> torch.Tensor:
         if seg.qtype is not None:

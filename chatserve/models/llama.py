@@ -187,6 +187,13 @@ class LlamaFamilyForCausalLM(nn.Module):
                     module.process_weights()
             self.ops.release_memory()
         self.lm_head.process_weights()
+        self.finish_processing()
+
+    @torch.inference_mode()
+    def finish_processing(self) -> None:
+        """What `process_weights` does once every Linear holds its final layout; the weight cache
+        (models/weight_cache.py) calls it too, after putting those layouts back from its file. A model
+        class without this method is loaded without the cache."""
         if self.config.tie_word_embeddings:
             self.embed_tokens = self.lm_head.method.tied_embedding(self.lm_head, self.embed_tokens)
         self.ops.release_memory()

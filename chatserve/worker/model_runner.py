@@ -17,6 +17,7 @@ from chatserve.layers.rotary import RotaryEmbedding
 from chatserve.models.config import ModelConfig
 from chatserve.models.loader import ModelSource, iter_weights
 from chatserve.models.registry import model_class_for
+from chatserve.models.weight_cache import WeightCacheConfig, load_weights_cached
 from chatserve.worker.kv_pool import plan_kv_pool
 from chatserve.worker.sampler import Sampler, row_is_greedy
 from chatserve.worker.spec_verify import SampledSeq, SamplerRows, split_rows
@@ -66,6 +67,7 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         ops: LayerOps,
+        weight_cache: WeightCacheConfig | None = None,
     ) -> None:
         self.config = model_config
         self.ops = ops
@@ -82,8 +84,14 @@ class ModelRunner:
             model = model_cls(model_config, max_model_len, ops)
         model = _materialise(model.to(dtype), device)
         model.rotary = RotaryEmbedding(model_config.hf_config, model_config.head_dim, max_model_len).to(device)
-        model.load_weights(iter_weights(source, hf_config, dtype, keep_qtypes=ops.gguf_qtypes))
-        model.process_weights()
+
+        def fill() -> None:
+            model.load_weights(iter_weights(source, hf_config, dtype, keep_qtypes=ops.gguf_qtypes))
+            model.process_weights()
+
+        # mapped from the repacked-weight cache where a valid entry exists, else filled (and written there)
+        self.weight_cache = load_weights_cached(model, fill, config=weight_cache, source=source, dtype=dtype,
+                                                device=device, ops=ops)
         self.model = model.eval()
         self.linear_impl = ops.linear.description
         self.load_seconds = time.perf_counter() - t0

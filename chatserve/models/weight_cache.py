@@ -339,6 +339,9 @@ def open_entry(path: Path, identity: dict[str, Any], validity: dict[str, Any], t
         if size < _PREAMBLE.size:
             return f"truncated ({size} bytes)"
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    for advice in ("MADV_HUGEPAGE", "MADV_WILLNEED"):  # huge pages where the filesystem's page cache has them
+        with contextlib.suppress(AttributeError, OSError):
+            buf.madvise(getattr(mmap, advice))
     try:
         result = _check(buf, size, identity, validity, threads)
     except Exception as exc:  # any malformed header: a rebuild, never a crash

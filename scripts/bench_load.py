@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Start-up time and shared memory with and without the repacked-weight cache (issue #33).
+
+    python scripts/bench_load.py                                  # the default model, 5 alternated rounds
+    python scripts/bench_load.py --model /tmp/llama-1b-q4_0.gguf --rounds 3
+    python scripts/bench_load.py --model /tmp/llama-1b-q4_0.gguf --replicas-only
+
+Each start is a fresh process (`python -c ...`: interpreter, imports, `LLM(...)`, one greedy token);
+"process start to first token" is the parent's wall clock from spawning it to reading the line the
+child prints after its first token. The rounds alternate cache off / cache on (so both see the same
+machine load), after one start that writes the entry (reported as the first start). The page cache
+is warm for every start (the GGUF and the entry were read by earlier rounds): a warm start, as a
+restarted server or a second replica gets.
+
+Replicas: two processes of the same model held side by side after their first token; each reports
+its /proc/self/smaps_rollup (Rss, Pss, Shared_Clean, Private_*): with the cache the weights are
+file-backed pages of the one entry, counted half in each Pss and as Shared_Clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from chatserve import LLM, SamplingParams
+t1 = time.perf_counter()
+llm = LLM(model=sys.argv[1] or None, weight_cache=sys.argv[2] == "1", num_threads=int(sys.argv[3]),
+          max_model_len=256, num_kv_blocks=32)
+t2 = time.perf_counter()
+llm.generate("Hello", SamplingParams(max_tokens=1, temperature=0.0))
+t3 = time.perf_counter()
+print("first token", flush=True)
+llm.generate("Tell me a story", SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True))
+t4 = time.perf_counter()
+
+
+def smaps():
+    rollup = {}
+    for line in open("/proc/self/smaps_rollup"):
+        parts = line.split()
+        if len(parts) == 3 and parts[2] == "kB":
+            rollup[parts[0].rstrip(":")] = int(parts[1])
+    return rollup
+
+
+print(json.dumps({"imports_s": t1 - t0, "engine_s": t2 - t1, "load_s": llm.engine.runner.load_seconds,
+                  "first_token_s": t3 - t2,
+                  "decode_tok_s": 32 / (t4 - t3), "status": llm.engine.runner.weight_cache.status, "smaps": smaps()}), flush=True)
+if sys.argv[4] == "hold":  # both replicas are up: report memory now, then wait to be told to exit
+    sys.stdin.readline()
+    print(json.dumps(smaps()), flush=True)
+    sys.stdin.readline()
+"""
+
+
+def start(model: str, cache: bool, threads: int, hold: bool, env: dict) -> tuple[subprocess.Popen, float]:
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, model, "1" if cache else "0", str(threads), "hold" if hold else "run"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    return proc, t
+
+
+def read_report(proc: subprocess.Popen, t_start: float) -> dict:
+    line = proc.stdout.readline()
+    wall = time.perf_counter() - t_start
+    if not line:
+        raise RuntimeError(f"child exited with {proc.wait()} before its first token")
+    report = json.loads(proc.stdout.readline())
+    report["wall_s"] = wall
+    return report
+
+
+def one_start(model: str, cache: bool, threads: int, env: dict) -> dict:
+    proc, t = start(model, cache, threads, False, env)
+    report = read_report(proc, t)
+    proc.wait()
+    return report
+
+
+def fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="a .gguf or HF folder (default: the default model)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-dir", default=None, help="CHATSERVE_CACHE_DIR for the children (default: a fresh temp dir)")
+    p.add_argument("--replicas-only", action="store_true")
+    args = p.parse_args()
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench-load-")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATSERVE_CACHE_DIR": cache_dir}
+    name = os.path.basename(args.model) or "default model"
+
+    first = one_start(args.model, True, args.threads, env)  # converts the metadata (if new) and writes the entry
+    if first["status"] != "built":  # the metadata conversion ran too: time a clean first start
+        print(f"note: first start status {first['status']}")
+    print(f"{name}: first start (writes the entry): wall {first['wall_s']:.2f} s, load {first['load_s']:.2f} s, "
+          f"status {first['status']}", flush=True)
+    if not args.replicas_only:
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for cache in (False, True):
+                r = one_start(args.model, cache, args.threads, env)
+                runs[cache].append(r)
+                print(f"  cache={'on ' if cache else 'off'} wall {r['wall_s']:.2f} load {r['load_s']:.2f} "
+                      f"first token {r['first_token_s']:.2f} ({r['status']})", flush=True)
+        print(f"\n| {name}, {args.threads} threads | cache off (today) | cache on (mapped) |\n|---|---|---|")
+        for key, label in (("wall_s", "process start to first token (s)"), ("engine_s", "LLM(...) (s)"),
+                           ("load_s", "model weights load (s)"), ("first_token_s", "first token after load (s)"),
+                           ("decode_tok_s", "then decode, 1 stream (tok/s, incl. a short prefill)")):
+            print(f"| {label} | {fmt([r[key] for r in runs[False]])} | {fmt([r[key] for r in runs[True]])} |")
+        for cache in (False, True):
+            rss = [r["smaps"]["Rss"] / 1024 for r in runs[cache]]
+            print(f"  RSS after the first token, cache {'on' if cache else 'off'}: {statistics.median(rss):.0f} MiB")
+
+    for cache in (False, True):
+        procs = [start(args.model, cache, args.threads, True, env) for _ in range(2)]
+        reports = [read_report(proc, t) for proc, t in procs]
+        for (proc, _), r in zip(procs, reports):
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            r["smaps"] = json.loads(proc.stdout.readline())
+        for proc, _ in procs:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            proc.wait()
+        print(f"\ntwo replicas, cache {'on' if cache else 'off'} ({', '.join(r['status'] for r in reports)}), MiB each:")
+        print("| replica | Rss | Pss | Shared_Clean | Private_Clean | Private_Dirty |\n|---|---|---|---|---|---|")
+        for i, r in enumerate(reports):
+            s = r["smaps"]
+            print(f"| {i + 1} | {s['Rss'] / 1024:.0f} | {s['Pss'] / 1024:.0f} | {s['Shared_Clean'] / 1024:.0f} | "
+                  f"{s['Private_Clean'] / 1024:.0f} | {s['Private_Dirty'] / 1024:.0f} |")
+        total_pss = sum(r["smaps"]["Pss"] for r in reports) / 1024
+        print(f"sum of Pss (what the two cost the machine): {total_pss:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -48,15 +49,16 @@ def hf_config(tiny):
     return load_hf_config(resolve_model(tiny))
 
 
-def _runner(path: Path, hf_config, cache_dir: Path | None, tier: str | None) -> ModelRunner:
+def _runner(path: Path, hf_config, cache_dir: Path | None, tier: str | None, quantization: str = "auto") -> ModelRunner:
     """A model runner as the engine builds one; tier None: float32 through torch (no kernels)."""
     dtype = torch.float32 if tier is None else torch.bfloat16
     cfg = ModelConfig.from_hf(hf_config)
+    source = resolve_model(path)
     ops = select_layer_ops(dtype=dtype, device=torch.device("cpu"), attention_backend="auto", cpu_kernels=tier is not None,
                            amx=True, head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                           quantization="auto", is_gguf=True, cpu_kernel_tier=tier or "auto")
+                           quantization=quantization, is_gguf=source.is_gguf, cpu_kernel_tier=tier or "auto")
     cache = WeightCacheConfig(cache_dir is not None, str(cache_dir) if cache_dir is not None else None)
-    return ModelRunner(resolve_model(path), hf_config, cfg, CacheConfig(16, 8), dtype, torch.device("cpu"),
+    return ModelRunner(source, hf_config, cfg, CacheConfig(16, 8), dtype, torch.device("cpu"),
                        max_model_len=64, ops=ops, weight_cache=cache)
 
 
@@ -119,6 +121,27 @@ def test_warm_start_maps_the_entry_and_equals_a_cold_load(tier, tiny, hf_config,
     _assert_same_weights(cold, warm)
     _assert_same_weights(cold, built)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [entry.name]  # no temp left
+
+
+@pytest.mark.parametrize(("arch", "quantization"), [("qwen2", "none"), ("qwen3", "int8")])
+def test_a_safetensors_folder_is_cached_too(arch, quantization, tiny_checkpoint, tmp_path):
+    """bf16 panels with QKV biases (qwen2), int8 per channel with q/k norms and an untied head (qwen3);
+    a changed safetensors file rebuilds the entry."""
+    folder = tmp_path / arch
+    shutil.copytree(tiny_checkpoint(arch), folder)
+    hf = load_hf_config(resolve_model(folder))
+    tier = _best_tier()
+    cold = _runner(folder, hf, None, tier, quantization)
+    built = _runner(folder, hf, tmp_path / "cache", tier, quantization)
+    warm = _runner(folder, hf, tmp_path / "cache", tier, quantization)
+    assert (built.weight_cache.status, warm.weight_cache.status) == ("built", "hit")
+    _assert_backed_by(warm, warm.weight_cache.path)
+    _assert_same_weights(cold, warm)
+    weights = next(folder.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    touched = _runner(folder, hf, tmp_path / "cache", tier, quantization).weight_cache
+    assert touched.status == "built" and weights.name in touched.reason, touched
 
 
 def test_each_tier_and_dtype_has_its_own_entry(tiny, hf_config, tmp_path):

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 
@@ -86,7 +87,7 @@ class RedisTier(Tier):
                 run += 1
             if run == 0:
                 return []
-            values = self.client.mget(keys[:run])
+            values: list[Any] = self.client.mget(keys[:run])
             out: list[bytes] = []
             for v in values:
                 if v is None:
@@ -149,8 +150,8 @@ class RedisTier(Tier):
             for i, lru in enumerate(by_lru):
                 card = int(results[len(items) + 3 * i + 2])
                 if card > max_entries:
-                    oldest = self.client.zpopmin(lru, card - max_entries)
-                    victims = [m for m, _ in oldest]
+                    oldest: list[Any] = self.client.zpopmin(lru, card - max_entries)
+                    victims: list[Any] = [m for m, _ in oldest]
                     if victims:
                         self.client.delete(*victims)
                         self.num_evicted += len(victims)

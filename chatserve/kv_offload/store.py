@@ -238,6 +238,7 @@ class KVOffloadStore:
         payloads: list[memoryview] = []
         served: list[str] = []
         stop = "complete"
+        invalid_at: tuple[int, str] | None = None  # (block, reason) of the last entry refused
         pos = 0
         while pos < len(names):
             progressed = False
@@ -262,7 +263,7 @@ class KVOffloadStore:
                     except DecodeError as exc:
                         st.invalid[exc.reason] += 1
                         tier.delete(names[i])
-                        stop = f"invalid:{exc.reason}"
+                        invalid_at = (i, f"invalid:{exc.reason}")
                         logger.info("KV %s tier: entry %s is %s; deleted, counted as a miss", tier.name, names[i], exc)
                         break
                     payloads.append(view)
@@ -280,6 +281,8 @@ class KVOffloadStore:
                 break
         if pos == len(names):
             stop = "complete"
+        elif invalid_at is not None and invalid_at[0] == pos and stop == "absent":
+            stop = invalid_at[1]  # the next block was there, but no copy of it passed its checks
         self._remember(names[:pos])
         return LoadedRun(payloads, served, stop, time.perf_counter() - t0)
 

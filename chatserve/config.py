@@ -184,6 +184,27 @@ class EngineArgs:
                 '\'{"disable_any_whitespace": true}\' allows none (compact "," and ":"); a request may override '
                 f"both in structured_outputs (default: max_whitespace {DEFAULT_MAX_WHITESPACE})"})
 
+    kv_offload_dir: str | None = field(default=None, metadata={
+        "help": "a local disk tier below the radix tree: full KV blocks are kept in this directory (one file each, "
+                "LRU, survives restarts), so a restarted engine starts warm (default: off)"})
+    kv_offload_max_gb: float = field(default=10.0, metadata={
+        "help": "size bound of the disk tier's directory in GiB; the least recently used blocks go first"})
+    kv_offload_redis_url: str | None = field(default=None, metadata={
+        "help": "a Redis tier below the radix tree, shared by every replica of the same model, e.g. "
+                "redis://127.0.0.1:6379/0 (default: off)"})
+    kv_offload_redis_max_gb: float = field(default=4.0, metadata={
+        "help": "size bound of the Redis tier (per model) in GiB; the least recently used blocks go first"})
+    kv_offload_redis_ttl_s: float = field(default=3600.0, metadata={
+        "help": "seconds a block stays in the Redis tier after its last write or read"})
+    kv_offload_redis_prefix: str = field(default="chatserve:kv:", metadata={
+        "help": "key prefix of the Redis tier's keys"})
+    kv_offload_policy: Literal["write_back", "write_through"] = field(default="write_back", metadata={
+        "help": "when blocks go to the tiers: write_back (when the tree evicts them, and at shutdown) or "
+                "write_through (as soon as a block is full); a session's leased history is always written through"})
+    kv_offload_queue_mb: float = field(default=256.0, metadata={
+        "help": "bound of the tiers' write queue in MiB: past it, writes are dropped and counted, so a slow disk "
+                "or Redis never stalls a step"})
+
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
@@ -208,8 +229,26 @@ class EngineArgs:
             _check_zmq_tcp_endpoint(name, getattr(self, name))
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        self._check_kv_offload()
         parse_speculative_config(self.speculative_config)  # LLM(speculative_config={...}) passes a dict
         parse_structured_outputs_config(self.structured_outputs_config)  # (and structured_outputs_config={...})
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_policy not in ("write_back", "write_through"):
+            raise ValueError(f"kv_offload_policy must be write_back or write_through; got {self.kv_offload_policy!r}")
+        for name in ("kv_offload_max_gb", "kv_offload_redis_max_gb", "kv_offload_redis_ttl_s", "kv_offload_queue_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        url = self.kv_offload_redis_url
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_offload_redis_url must be redis://HOST:PORT/DB, rediss://... or unix://PATH; got {url!r}")
+        if (self.kv_offload_dir or url) and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir / kv_offload_redis_url keep blocks below the radix tree, which needs "
+                             "enable_prefix_caching; turn it on or drop the offload tiers")
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        return bool(self.kv_offload_dir or self.kv_offload_redis_url)
 
     @classmethod
     def field_names(cls) -> set[str]:

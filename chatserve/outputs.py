@@ -72,6 +72,15 @@ class RequestStats:
     # speculative decoding: draft tokens verified for this request and how many were kept
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # the KV tiers below the tree (disk, Redis): prompt tokens loaded from each into the tree before the
+    # first admission (they count in num_cached_tokens too), the load's wait, and why the tier lookup
+    # stopped: None (no lookup: tiers off, or the tree held every full block), "complete", "absent",
+    # "invalid:<reason>" (an entry failed its checks: a counted miss), "unavailable" (a tier was down),
+    # "no_room" (the pool had no free block for it), "error"
+    num_disk_cached_tokens: int = 0
+    num_redis_cached_tokens: int = 0
+    kv_load_seconds: float = 0.0
+    kv_tier_stop: str | None = None
 
     @property
     def queue_time(self) -> float | None:

@@ -19,6 +19,7 @@ from .prefix_cache import (
     PrefixCache,
 )
 from .radix_tree import RadixPrefixCache
+from .tier_observer import TierObserver
 
 __all__ = [
     "BlockAllocator",
@@ -39,6 +40,7 @@ __all__ = [
     "BlockStored",
     "BlockRemoved",
     "AllBlocksCleared",
+    "TierObserver",
     "make_prefix_cache",
 ]
 
@@ -49,11 +51,12 @@ def make_prefix_cache(
     block_size: int,
     clock: Callable[[], float] = time.monotonic,
     kv_events: KVEventLog | None = None,
+    tier_observer: TierObserver | None = None,
 ) -> PrefixCache:
     """The radix tree when prefix caching is on, else a cache that caches nothing
     behind the same interface (so the engine has one code path). ``clock``: lease expiry times.
     ``kv_events``: where the tree records blocks stored and removed (a cache that caches nothing
-    records nothing)."""
+    records nothing). ``tier_observer``: the disk / Redis tiers below the tree (none: the tree is the only tier)."""
     if enable_prefix_caching:
-        return RadixPrefixCache(allocator, block_size, clock=clock, kv_events=kv_events)
+        return RadixPrefixCache(allocator, block_size, clock=clock, kv_events=kv_events, tier_observer=tier_observer)
     return NoPrefixCache(allocator, block_size)

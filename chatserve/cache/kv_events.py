@@ -47,11 +47,15 @@ class BlockStored:
     token_ids: list[int]
     """``len(block_hashes) * block_size`` tokens: the stored blocks' own tokens, not their prefix."""
     block_size: int
+    medium: str = "GPU"
+    """Where the blocks now live (vLLM's field): ``GPU`` is vLLM's name for the engine's own KV pool (the
+    tree), ``DISK`` and ``REDIS`` the tiers below it (engine/kv_tiering.py)."""
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from .kv_events import KVEventLog
 from .leases import Lease, LeaseBook, LeaseInfo
 from .lru_index import LRUIndex
 from .prefix_cache import CacheStats, InsertResult, MatchResult, MissExplanation, PartialMatch, PrefixCache
+from .tier_observer import TierObserver
 
 __all__ = ["RadixNode", "RadixPrefixCache"]
 
@@ -77,8 +78,13 @@ class RadixPrefixCache(PrefixCache):
         clock: Callable[[], float] = time.monotonic,
         eviction_memory_blocks: int | None = None,
         kv_events: KVEventLog | None = None,
+        tier_observer: TierObserver | None = None,
     ) -> None:
         super().__init__(allocator, block_size)
+        # NOTE: when set, the tiers below the tree hear of blocks taken, about to be freed, and leased
+        # (tier_observer.py); paused during reset(), which forgets rather than evicts.
+        self.tier_observer = tier_observer
+        self._observer_paused = False
         # NOTE: when set, every block the tree takes or frees is recorded there (kv_events.py).
         self.kv_events = kv_events
         self._root = RadixNode((), [], None, 0)
@@ -168,6 +174,8 @@ class RadixPrefixCache(PrefixCache):
             node = leaf
             if self.kv_events is not None:
                 self.kv_events.stored(tokens, num_cached, tree_ids)
+            if self.tier_observer is not None:
+                self.tier_observer.on_insert(tokens, num_cached, tree_ids)
         self._touch(node)
         return InsertResult(num_cached * bs, node, tree_ids)
 
@@ -299,6 +307,9 @@ class RadixPrefixCache(PrefixCache):
                 continue
             victims = ids[len(ids) - k :]
             victim_hashes = self._path_hashes(leaf)[len(ids) - k :]
+            if self.tier_observer is not None and not self._observer_paused:
+                path = self._path_tokens(leaf)
+                self.tier_observer.on_evict(path, len(path) // bs - k, victims)
             self._evicted.add(victim_hashes)
             if self.kv_events is not None:
                 self.kv_events.removed(victims, victim_hashes)
@@ -320,14 +331,37 @@ class RadixPrefixCache(PrefixCache):
         self.num_evicted_blocks += freed
         return freed
 
-    def _path_hashes(self, node: RadixNode) -> list[int]:
-        """Chain hashes of the blocks on node's edge (see ``eviction_record.chain_hashes``)."""
+    def _path_nodes(self, node: RadixNode) -> list[RadixNode]:
         path: list[RadixNode] = []
         n: RadixNode | None = node
         while n is not None and n is not self._root:
             path.append(n)
             n = n.parent
-        tokens = [t for x in reversed(path) for t in x.key]
+        path.reverse()
+        return path
+
+    def _path_tokens(self, node: RadixNode) -> list[int]:
+        return [t for x in self._path_nodes(node) for t in x.key]
+
+    def path_of(self, node: object) -> tuple[list[int], list[int]]:
+        """Tokens and tree block ids from the root to the end of ``node``'s edge."""
+        nodes = self._path_nodes(self._as_node(node))
+        return [t for x in nodes for t in x.key], [b for x in nodes for b in x.block_ids]
+
+    def leaf_paths(self) -> list[tuple[list[int], list[int]]]:
+        """Every leaf's root path (tokens, block ids): what a shutdown writes back to the tiers."""
+        out = []
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            if node is not self._root and not node.children:
+                out.append(self.path_of(node))
+            stack.extend(node.children.values())
+        return out
+
+    def _path_hashes(self, node: RadixNode) -> list[int]:
+        """Chain hashes of the blocks on node's edge (see ``eviction_record.chain_hashes``)."""
+        tokens = self._path_tokens(node)
         hashes = chain_hashes(tokens, self.block_size, len(tokens) // self.block_size)
         return hashes[len(hashes) - len(node.block_ids) :]
 
@@ -354,7 +388,11 @@ class RadixPrefixCache(PrefixCache):
         """Evict every unlocked node whose blocks no request holds (leased ones too), and forget
         what was evicted: a reset starts the next run cold, not "evicted". An event log gets the
         removals and, once the tree is empty, ``AllBlocksCleared`` (vLLM's reset event)."""
-        self.evict(len(self._tree_blocks))
+        self._observer_paused = True
+        try:
+            self.evict(len(self._tree_blocks))
+        finally:
+            self._observer_paused = False
         self._evicted.clear()
         if self.kv_events is not None and not self._tree_blocks:
             self.kv_events.cleared()
@@ -399,6 +437,8 @@ class RadixPrefixCache(PrefixCache):
             self._clock += 1
             self._count_lease(n, +1, self._clock)
             self._leases.put(Lease(key, n, self.now() + seconds, self._clock))
+            if self.tier_observer is not None:
+                self.tier_observer.on_lease(*self.path_of(n))
         if old is not None:
             self._count_lease(old.node, -1)  # type: ignore[arg-type]
 

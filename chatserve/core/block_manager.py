@@ -20,11 +20,21 @@ from chatserve.cache import (
     MissExplanation,
     MissReason,
     PrefixCache,
+    TierObserver,
     make_prefix_cache,
 )
 from chatserve.core.sequence import Sequence
 
 MISS_REASONS: tuple[str, ...] = get_args(MissReason)
+
+
+class AdoptResult(NamedTuple):
+    """Blocks loaded from a lower tier that the tree now holds (see ``BlockManager.adopt_blocks``)."""
+
+    first_block: int
+    """Index (in the prompt) of the first block the tree took from the load."""
+    num_blocks: int
+    """How many it took (0: the tree already had them, lost the prefix before them, or no room)."""
 
 
 class BlockCopy(NamedTuple):
@@ -38,11 +48,12 @@ class BlockCopy(NamedTuple):
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool, clock: Callable[[], float] = time.monotonic,
-        kv_events: KVEventLog | None = None,
+        kv_events: KVEventLog | None = None, tier_observer: TierObserver | None = None,
     ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size, clock, kv_events)
+        self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size, clock, kv_events,
+                                                    tier_observer)
         self.cache_enabled = enable_prefix_caching
         # seq_id -> copy-on-write of a partially matching cached block, not yet done.
         # NOTE: each holds one reference on its src (so eviction cannot free it
@@ -77,12 +88,69 @@ class BlockManager:
         assert not seq.block_table and seq.cache_node is None
         match = self.cache.match_prefix(seq.token_ids[:-1])
         self.cache.lock(match.node)
+        self._drop_prefetch_lock(seq)  # (after locking the match, which covers what was loaded)
         self.allocator.incref(match.block_ids)
         seq.cache_node = match.node
         seq.block_table = list(match.block_ids)
         seq.num_computed_tokens = match.num_tokens
         seq.num_published_blocks = len(match.block_ids)
         return match.num_tokens
+
+    # ---- blocks loaded from the tiers below the tree ------------------------
+    def adopt_blocks(
+        self, token_ids: list[int], first_block: int, num_blocks: int, fill: Callable[[list[int], int], None],
+        seqs: list[Sequence],
+    ) -> AdoptResult:
+        """Put blocks ``first_block .. first_block+num_blocks-1`` of ``token_ids``, loaded from a lower
+        tier, into free blocks and the tree, and lock them for ``seqs`` until they are admitted.
+
+        ``fill(block_ids, first)`` writes the KV of prompt blocks ``first ..`` into ``block_ids``.
+        Blocks the tree holds by now are skipped; if it lost part of the prefix before
+        ``first_block`` meanwhile (evicted), nothing is taken (the run would not hang from the root).
+
+        # NOTE: who owns the new blocks, step by step: allocate -> private to this call (ref 1);
+        # insert -> the tree takes its reference (ref 2); decref -> the tree's alone (ref 1), locked
+        # by each seq's ``prefetch_node`` until ``match_and_lock`` (or ``release``) swaps that lock
+        # for the seq's own. The prefix matched before them is locked while blocks are evicted to
+        # make room, so making room never frees the blocks they hang from. At most three quarters of
+        # the pool may be locked after a load: waiting requests must never lock out running ones.
+        """
+        bs = self.block_size
+        end = first_block + num_blocks
+        match = self.cache.match_prefix(token_ids[: end * bs])
+        have = len(match.block_ids)
+        if have < first_block or have >= end:
+            return AdoptResult(have, 0)
+        self.cache.lock(match.node)
+        try:
+            take = end - have
+            s = self.cache.stats()
+            take = min(take, max(0, s.free + s.evictable - s.total // 4))
+            if take > 0:
+                self.ensure_free(take)
+                take = min(take, self.allocator.num_free)
+            if take <= 0:
+                return AdoptResult(have, 0)
+            ids = self.allocator.allocate(take)
+            try:
+                fill(ids, have)
+            except BaseException:
+                self.allocator.decref(ids)
+                raise
+            result = self.cache.insert(token_ids[: (have + take) * bs], match.block_ids + ids)
+            self.allocator.decref(ids)
+            for seq in seqs:
+                self._drop_prefetch_lock(seq)
+                self.cache.lock(result.node)
+                seq.prefetch_node = result.node
+        finally:
+            self.cache.unlock(match.node)
+        return AdoptResult(have, take)
+
+    def _drop_prefetch_lock(self, seq: Sequence) -> None:
+        if seq.prefetch_node is not None:
+            self.cache.unlock(seq.prefetch_node)
+            seq.prefetch_node = None
 
     def reuse_partial_block(self, seq: Sequence) -> int:
         """Copy-on-write: start seq's next block as a copy of the cached block that
@@ -210,6 +278,7 @@ class BlockManager:
         lease: seq has ended; if it is a session turn, lease its branch for the session's idle time
         (renewing the previous turn's lease), so unleased traffic is evicted before it.
         """
+        self._drop_prefetch_lock(seq)
         if seq.cache_node is None and not seq.block_table:
             return
         copy = self._pending_copies.pop(seq.seq_id, None)

@@ -39,6 +39,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
     cache_node: Any = None  # lock handle in the prefix cache
+    # NOTE: blocks loaded from the disk / Redis tiers for this sequence wait in the tree under this
+    # lock until its first admission locks its own match (then this one is dropped), or it ends.
+    prefetch_node: Any = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None  # why it ended with finish_reason "error"

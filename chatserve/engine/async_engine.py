@@ -430,6 +430,8 @@ class AsyncLLMEngine:
     # ---- the loop ----------------------------------------------------------------------------
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        # a request waiting for a KV tier lookup wakes the loop when it lands (like a grammar)
+        self.engine.kv_lookup_started = lambda fut: fut.add_done_callback(self._wake_from_thread(loop))
         idle_steps = 0
         try:
             while True:
@@ -437,7 +439,7 @@ class AsyncLLMEngine:
                 if self._closing:
                     return
                 if not self.engine.has_unfinished_requests() or idle_steps >= _MAX_IDLE_STEPS:
-                    if idle_steps >= _MAX_IDLE_STEPS and not self.engine.num_waiting_for_grammar:
+                    if idle_steps >= _MAX_IDLE_STEPS and not (self.engine.num_waiting_for_grammar or self.engine.num_waiting_for_kv):
                         logger.warning("the scheduler can schedule nothing (%s); waiting for an abort", self._stats)
                     idle_steps = 0
                     assert self._wakeup is not None

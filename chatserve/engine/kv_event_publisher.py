@@ -7,8 +7,10 @@ each one holds; this is the replica's side, shaped like vLLM's ``ZmqEventPublish
   ``[topic, 8-byte big-endian sequence number, msgpack payload]``;
 * the payload is a batch ``[ts, [event, ...], data_parallel_rank]`` (a positional array), each event
   a map tagged by ``"type"`` (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) with vLLM's
-  field names; ``medium`` is ``"GPU"``: vLLM's name for the device tier, where these blocks live
-  (on the CPU engine the KV pool *is* that tier);
+  field names; ``medium`` says where the blocks live: ``"GPU"``, vLLM's name for the device tier (on
+  the CPU engine the KV pool *is* that tier), or ``"DISK"`` / ``"REDIS"`` for blocks the tiers below
+  the tree stored (``--kv-offload-dir`` / ``--kv-offload-redis-url``; a router may count a
+  ``REDIS`` block as held by every replica sharing that Redis);
 * an optional ROUTER socket for replay: a subscriber that missed sequence numbers sends
   ``[b"", start_seq (8 bytes)]`` and gets every buffered batch from there, then ``seq = -1``.
 
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["KVEventPublisher", "KVEventsConfig", "encode_event", "encode_batch", "MEDIUM", "MAX_EVENTS_PER_BATCH"]
 
-MEDIUM = "GPU"
+MEDIUM = "GPU"  # the default medium: the engine's own KV pool
 MAX_EVENTS_PER_BATCH = 4096  # the router rejects a batch with more events
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -58,9 +60,9 @@ def encode_event(event: KVCacheEvent) -> dict[str, Any]:
     if isinstance(event, BlockStored):
         return {"type": "BlockStored", "block_hashes": list(event.block_hashes),
                 "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-                "block_size": event.block_size, "lora_id": None, "medium": MEDIUM, "lora_name": None}
+                "block_size": event.block_size, "lora_id": None, "medium": event.medium, "lora_name": None}
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM}
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV cache event: {event!r}")

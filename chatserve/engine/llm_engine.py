@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ from chatserve.core.session_kv import SessionKV
 from chatserve.engine.detokenizer import IncrementalDetokenizer
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from chatserve.engine.kv_event_publisher import KVEventPublisher, KVEventsConfig
+from chatserve.engine.kv_tiering import KVLookup, KVTiering
 from chatserve.kernels.cpu import load_cpu_kernels
+from chatserve.kv_offload import KVFingerprint, hash_model_files
 from chatserve.layers.ops import select_layer_ops
 from chatserve.models.config import ModelConfig
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
@@ -56,6 +59,9 @@ class Request:
     # Set while the request waits for its grammar (structured outputs); its sequences join the
     # scheduler when it is done. Callers may add_done_callback to learn when to step again.
     grammar_future: concurrent.futures.Future | None = None
+    # Set while the request waits for a lookup in the KV tiers below the tree (disk, Redis); its
+    # sequences join the scheduler once it lands (engine/kv_tiering.py). Same callback contract.
+    kv_load_future: concurrent.futures.Future | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,8 +137,17 @@ class LLMEngine:
                                                    args.kv_events_topic)
             self.kv_event_log = KVEventLog(args.block_size)
             self.kv_event_publisher = KVEventPublisher(self.kv_events_config)
+        # The KV tiers below the tree (--kv-offload-dir, --kv-offload-redis-url): the tree tells them what it
+        # takes and evicts; requests whose prompt goes past the tree wait for a lookup outside the scheduler.
+        self.kv_tiering: KVTiering | None = None
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.kv_lookup_started: Callable[[concurrent.futures.Future], None] | None = None  # the async engine's wake-up
+        if args.kv_offload_enabled:
+            self.kv_tiering = KVTiering(args, self._kv_fingerprint(ops), pool.bytes_per_block, self.runner)
         self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching,
-                                          kv_events=self.kv_event_log)
+                                          kv_events=self.kv_event_log, tier_observer=self.kv_tiering)
+        if self.kv_tiering is not None:
+            self.kv_tiering.block_manager = self.block_manager
         # Speculative decoding (--speculative-config): drafts proposed per step, verified in the forward.
         self.speculative_config = parse_speculative_config(args.speculative_config)
         self.spec: SpecProposer | None = None
@@ -169,6 +184,21 @@ class LLMEngine:
             "chatserve engine: %s (%s, %s) loaded in %.1fs; max_model_len=%d; KV pool %d blocks x %d = %d tokens",
             self.served_model_name, self.model_config.architecture, self.dtype, self.load_seconds,
             max_len, pool.num_blocks, pool.block_size, pool.num_tokens,
+        )
+
+    def _kv_fingerprint(self, ops: Any) -> KVFingerprint:
+        """Everything that changes a KV block's bytes here (kv_offload/fingerprint.py)."""
+        folder = Path(self.source.folder)
+        if self.source.gguf_file is not None:
+            files = [folder / self.source.gguf_file]
+        else:
+            files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + [folder / "config.json"]
+        cfg = self.model_config
+        return KVFingerprint(
+            model_hash=hash_model_files(f for f in files if f.is_file()),
+            dtype=str(self.dtype).removeprefix("torch."), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, block_size=self.args.block_size, kv_layout=ops.attention.name,
+            kernels=f"{ops.describe()}; quantization={self.args.quantization}", device_type=self.device.type,
         )
 
     @classmethod
@@ -243,8 +273,7 @@ class LLMEngine:
             req.seqs.append(seq)
         spec = params.structured_outputs
         if spec is None:
-            for seq in req.seqs:
-                self.scheduler.add(seq)
+            self._to_scheduler(req)
         else:
             # NOTE: the waiting-for-grammar state: the sequences join the scheduler only once the
             # grammar is compiled (`_admit_compiled_grammars`), so nobody's step waits for a compile.
@@ -285,8 +314,43 @@ class LLMEngine:
             compiled = future.result()
             for seq in req.seqs:
                 seq.grammar = SequenceMatcher(compiled)
-                self.scheduler.add(seq)
+            self._to_scheduler(req)
         return outputs
+
+    def _to_scheduler(self, req: Request) -> None:
+        """Hand a request's sequences to the scheduler, or first to a lookup in the KV tiers when its
+        prompt has full blocks past what the tree holds (it then waits in ``waiting_for_kv``)."""
+        tiers = self.kv_tiering
+        if tiers is not None:
+            prompt = req.prompt_token_ids
+            held = self.block_manager.cache.peek_prefix(prompt[:-1])
+            if tiers.wants_lookup(prompt, held):
+                req.kv_load_future = tiers.submit_lookup(prompt, held)
+                self.waiting_for_kv[req.request_id] = req
+                if self.kv_lookup_started is not None:
+                    self.kv_lookup_started(req.kv_load_future)
+                return
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.waiting_for_kv)
+
+    def _admit_loaded_kv(self) -> None:
+        """Requests whose tier lookup landed: their blocks into the tree, their sequences to the scheduler."""
+        assert self.kv_tiering is not None
+        for request_id, req in list(self.waiting_for_kv.items()):
+            future = req.kv_load_future
+            assert future is not None
+            if not future.done():
+                continue
+            del self.waiting_for_kv[request_id]
+            req.kv_load_future = None
+            lookup: KVLookup = future.result()  # (_lookup catches its own errors)
+            self.kv_tiering.adopt(req.seqs, req.prompt_token_ids, lookup)
+            for seq in req.seqs:
+                self.scheduler.add(seq)
 
     def _finish_with_error(self, seq: Sequence, message: str) -> None:
         seq.finish_reason, seq.error = "error", message
@@ -322,6 +386,8 @@ class LLMEngine:
         if req is None:
             return None
         self.waiting_for_grammar.pop(request_id, None)  # its compile finishes and is cached; nothing waits on it
+        if self.waiting_for_kv.pop(request_id, None) is not None and req.kv_load_future is not None:
+            req.kv_load_future.cancel()  # NOTE: a lookup holds no block; what it read is dropped with it
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -338,11 +404,16 @@ class LLMEngine:
     def flush_kv_events(self) -> None:
         """Hand what the prefix cache recorded since the last flush to the publisher, as one batch
         (vLLM publishes once per step too). Called after each step, abort and reset."""
+        if self.kv_event_log is not None and self.kv_tiering is not None:
+            self.kv_event_log.events.extend(self.kv_tiering.stored_events())
         if self.kv_event_log is not None and self.kv_event_log.events and self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_event_log.drain())
 
     def close(self) -> None:
-        """Stop the KV event publisher (its sockets and thread); the engine itself holds nothing else to close."""
+        """Write the tree back to the KV tiers (write-back policy) and stop their threads; stop the KV event
+        publisher (its sockets and thread)."""
+        if self.kv_tiering is not None:
+            self.kv_tiering.close()
         if self.kv_event_publisher is not None:
             self.flush_kv_events()
             self.kv_event_publisher.close()
@@ -356,12 +427,20 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs = self._admit_compiled_grammars() if self.waiting_for_grammar else []
+        if self.waiting_for_kv:
+            self._admit_loaded_kv()
         sched = self.scheduler.schedule()
         if sched.is_empty and self.waiting_for_grammar and self.grammar_wait_s > 0:
             # Nothing else can run: wait (briefly) for a grammar rather than spin.
             pending = [r.grammar_future for r in self.waiting_for_grammar.values() if r.grammar_future is not None]
             concurrent.futures.wait(pending, timeout=self.grammar_wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
             outputs += self._admit_compiled_grammars()
+            sched = self.scheduler.schedule()
+        if sched.is_empty and self.waiting_for_kv and self.grammar_wait_s > 0:
+            # Nothing else can run: wait (briefly) for a tier lookup rather than spin (same as a grammar).
+            pending = [r.kv_load_future for r in self.waiting_for_kv.values() if r.kv_load_future is not None]
+            concurrent.futures.wait(pending, timeout=self.grammar_wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._admit_loaded_kv()
             sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -577,13 +656,17 @@ class LLMEngine:
         cache = self.block_manager.cache
         info = cache.lease_info(session_id)
         leased_until = None if info is None else time.time() + (info.expires_at - time.monotonic())
-        return {
+        report = {
             "cached_tokens": cache.peek_prefix(history_token_ids),
             "history_tokens": len(history_token_ids),
             "leased": info is not None,
             "leased_tokens": 0 if info is None else info.num_tokens,
             "leased_until": leased_until,
         }
+        if self.kv_tiering is not None:
+            # where the history is: leading tokens (whole blocks) held in memory (the tree) and each tier
+            report["tiers"] = {"memory": report["cached_tokens"], **self.kv_tiering.locate(history_token_ids)}
+        return report
 
     def stats(self) -> dict[str, Any]:
         cache = self.block_manager.cache.stats()
@@ -609,4 +692,6 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             "spec_decode": None if self.spec is None else self.spec.stats.as_dict(),
+            "num_waiting_for_kv": len(self.waiting_for_kv),
+            "kv_offload": None if self.kv_tiering is None else self.kv_tiering.stats(),
         }

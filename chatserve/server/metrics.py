@@ -86,6 +86,54 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_leased_evicted_blocks",
                       "Leased blocks evicted because nothing unleased was left (leases are soft).",
                       s.get("prefix_cache_leased_evicted_blocks", 0))
+        offload = s.get("kv_offload")
+        if offload:
+            yield from _offload_metrics(offload, labels, values)
+
+
+def _offload_metrics(offload: dict[str, Any], labels: list[str], values: list[str]) -> Iterator[Any]:
+    """The KV tiers below the tree (engine/kv_tiering.py), one ``medium`` label value per tier."""
+    tiers: dict[str, dict[str, Any]] = offload["tiers"]
+
+    def per_tier(name: str, doc: str, key: str) -> CounterMetricFamily:
+        c = CounterMetricFamily(f"chatserve:kv_offload_{name}", doc, labels=labels + ["medium"])
+        for medium, t in sorted(tiers.items()):
+            c.add_metric(values + [medium], t[key])
+        return c
+
+    yield per_tier("hit_blocks", "KV blocks loaded from the tier into the tree.", "hit_blocks")
+    yield per_tier("miss_blocks", "Tier lookups that found no (valid) entry for the next block.", "miss_blocks")
+    yield per_tier("read_bytes", "Bytes read from the tier (valid entries).", "read_bytes")
+    yield per_tier("written_blocks", "KV blocks written to the tier.", "written_blocks")
+    yield per_tier("written_bytes", "Bytes written to the tier.", "written_bytes")
+    yield per_tier("read_seconds", "Seconds spent reading from the tier (the loader thread).", "read_seconds")
+    yield per_tier("reads", "Read calls to the tier (read_seconds / reads is the mean latency).", "num_reads")
+    yield per_tier("write_seconds", "Seconds spent writing to the tier (the writer thread).", "write_seconds")
+    yield per_tier("write_errors", "Writes the tier refused or failed (full disk, Redis down).", "write_errors")
+    yield per_tier("read_errors", "Reads the tier failed (counted as misses).", "read_errors")
+    invalid = CounterMetricFamily("chatserve:kv_offload_invalid_entries",
+                                  "Entries refused on read (truncated, foreign, corrupt, mismatch): counted misses.",
+                                  labels=labels + ["medium", "reason"])
+    for medium, t in sorted(tiers.items()):
+        for reason, n in sorted(t["invalid_entries"].items()):
+            invalid.add_metric(values + [medium, reason], n)
+    yield invalid
+    dropped = CounterMetricFamily("chatserve:kv_offload_dropped_blocks",
+                                  "Block writes dropped because the write queue was full (back-pressure).", labels=labels)
+    dropped.add_metric(values, offload["dropped_blocks"])
+    yield dropped
+    q = GaugeMetricFamily("chatserve:kv_offload_queue_bytes", "Bytes waiting in the tiers' write queue.", labels=labels)
+    q.add_metric(values, offload["queued_bytes"])
+    yield q
+    up = GaugeMetricFamily("chatserve:kv_offload_tier_available", "1 while the tier answers (0: down, skipped).",
+                           labels=labels + ["medium"])
+    for medium, t in sorted(tiers.items()):
+        up.add_metric(values + [medium], 1.0 if t["available"] else 0.0)
+    yield up
+    loads = CounterMetricFamily("chatserve:kv_offload_load_seconds",
+                                "Seconds requests waited for tier lookups (loader thread, all tiers).", labels=labels)
+    loads.add_metric(values, offload["load_seconds"])
+    yield loads
 
 
 class ServerMetrics:

@@ -19,6 +19,7 @@ from chatserve.models.loader import ModelSource, iter_weights
 from chatserve.models.registry import model_class_for
 from chatserve.models.weight_cache import WeightCacheConfig, load_weights_cached
 from chatserve.worker.kv_pool import plan_kv_pool
+from chatserve.worker.kv_transfer import read_blocks, write_blocks
 from chatserve.worker.sampler import Sampler, row_is_greedy
 from chatserve.worker.spec_verify import SampledSeq, SamplerRows, split_rows
 
@@ -130,6 +131,16 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         for c in copies:
             self._block_ready[c[1]] = 1
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Copies of these blocks' KV (for the disk / Redis tiers; worker/kv_transfer.py)."""
+        return read_blocks(self.kv_cache, block_ids)
+
+    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]) -> None:
+        """Load blocks read back from a tier into the pool (they are then ready: no zeroing needed)."""
+        write_blocks(self.kv_cache, block_ids, payloads)
+        for b in block_ids:
+            self._block_ready[b] = 1
 
     def _zero_fresh_blocks(self, scheduled: list[ScheduledSeq]) -> None:
         """Zero each block the first time it is written to.

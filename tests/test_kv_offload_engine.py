@@ -1,0 +1,324 @@
+"""The KV tiers below the radix tree through the engine: restarts, replicas, outages, bad entries, aborts.
+
+Every check that matters for a user is "tokens after a tier load are bit for bit a cold run's": greedy
+tokens *and* their logprobs (floats compared exactly) equal an engine that has no tiers at all.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from chatserve import LLM, SamplingParams
+from chatserve.cache.kv_events import event_hashes
+from chatserve.core.session_kv import SessionKV
+from chatserve.kv_offload import DiskTier, block_keys
+from chatserve.server.chat.cache_usage import prefix_cache_report
+
+from .helpers.redis_server import REDIS_SERVER, RedisProcess, redis_answers
+
+BS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+
+
+def _prompt(seed: int, n: int = 150) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLM]]:
+    """Engines a test builds; closed (threads stopped, tiers flushed) however the test ends."""
+    made: list[LLM] = []
+    yield made
+    for llm in made:
+        llm.engine.close()
+
+
+def _make(made: list[LLM], folder, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("max_num_seqs", 4)
+    llm = LLM(None if folder is None else str(folder), block_size=BS, **kw)
+    made.append(llm)
+    return llm
+
+
+def _run(llm: LLM, ids: list[int], **kw):
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY, **kw)[0]
+    c = out.outputs[0]
+    return out, (list(c.token_ids), [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs])
+
+
+def _full_blocks(ids: list[int]) -> int:
+    return (len(ids) - 1) // BS * BS
+
+
+def _assert_idle_and_whole(llm: LLM) -> None:
+    e = llm.engine
+    e.check_integrity()
+    s = e.block_manager.cache.stats()
+    assert s.locked == 0 and s.free + s.evictable == s.total, s
+    assert not e.waiting_for_kv and not e.requests
+
+
+@pytest.fixture(scope="module")
+def cold(tiny):
+    """Greedy tokens + logprobs of each prompt on an engine without tiers (the reference)."""
+    llm = LLM(str(tiny), block_size=BS, num_kv_blocks=64)
+    cache: dict[tuple[int, str], tuple] = {}
+
+    def get(seed: int, dtype: str = "auto"):
+        if (seed, dtype) not in cache:
+            ref = llm if dtype == "auto" else LLM(str(tiny), block_size=BS, num_kv_blocks=64, dtype=dtype)
+            assert ref.engine.reset_prefix_cache()
+            cache[(seed, dtype)] = _run(ref, _prompt(seed))[1]
+        return cache[(seed, dtype)]
+
+    return get
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_restart_is_warm_from_disk_and_bit_identical(tiny, tmp_path, engines, cold, policy) -> None:
+    ids = _prompt(1)
+    first = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy=policy)
+    out, got = _run(first, ids)
+    assert out.num_cached_tokens == 0 and got == cold(1)
+    first.engine.close()  # write-back: the tree goes to disk now
+    engines.remove(first)
+
+    second = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy=policy)
+    out, got = _run(second, ids)
+    assert out.num_cached_tokens == _full_blocks(ids) == out.stats.num_disk_cached_tokens
+    assert out.stats.kv_tier_stop == "complete"
+    assert got == cold(1), "tokens and logprobs after a disk load equal a cold run's, bit for bit"
+    report = prefix_cache_report(out.stats)
+    assert report["tiers"] == {"memory": 0, "disk": _full_blocks(ids), "redis": 0, "tier_miss_reason": "complete"}
+    _assert_idle_and_whole(second)
+    out, _ = _run(second, ids)  # now a plain memory hit: no lookup
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop is None
+    assert prefix_cache_report(out.stats)["tiers"]["memory"] == _full_blocks(ids)
+
+
+def test_restart_warm_on_the_default_model(tmp_path, engines) -> None:
+    """The shipped GGUF on this host's kernels (quantized matmuls, the CPU attention's own K/V layout)."""
+    ids = _prompt(2, 100)
+    first = _make(engines, None, num_kv_blocks=32, max_model_len=256, kv_offload_dir=str(tmp_path),
+                  kv_offload_policy="write_through")
+    out, want = _run(first, ids)  # a cold run (the tiers only copy blocks out)
+    assert out.num_cached_tokens == 0
+    first.engine.close()
+    second = _make(engines, None, num_kv_blocks=32, max_model_len=256, kv_offload_dir=str(tmp_path))
+    out, got = _run(second, ids)
+    assert out.stats.num_disk_cached_tokens == _full_blocks(ids) and got == want
+
+
+@pytest.fixture
+def redis9() -> Iterator[dict]:
+    url = "redis://127.0.0.1:6379/9"
+    if not redis_answers(url):
+        pytest.skip(f"no Redis at {url}")
+    prefix = f"chatserve-test-kv-{uuid.uuid4().hex}:"
+    yield {"kv_offload_redis_url": url, "kv_offload_redis_prefix": prefix}
+    with redis.Redis.from_url(url) as client:
+        keys = list(client.scan_iter(f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        assert not list(client.scan_iter(f"{prefix}*"))
+
+
+def test_second_replica_is_warm_from_redis(tiny, engines, cold, redis9) -> None:
+    ids = _prompt(3)
+    a = _make(engines, tiny, kv_offload_policy="write_through", **redis9)
+    _, got = _run(a, ids)
+    assert got == cold(3)
+    assert a.engine.kv_tiering.store.flush()
+    b = _make(engines, tiny, **redis9)  # never saw the prompt; shares only Redis
+    out, got = _run(b, ids)
+    assert out.stats.num_redis_cached_tokens == _full_blocks(ids) == out.num_cached_tokens
+    assert got == cold(3)
+    _assert_idle_and_whole(b)
+    st = b.engine.stats()["kv_offload"]["tiers"]["redis"]
+    assert st["hit_blocks"] == _full_blocks(ids) // BS and st["read_bytes"] > 0
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_redis_down_mid_run_the_engine_goes_on_with_memory_and_disk(tiny, tmp_path, engines, cold) -> None:
+    server = RedisProcess()
+    server.start()
+    try:
+        args = dict(kv_offload_dir=str(tmp_path), kv_offload_redis_url=server.url, kv_offload_policy="write_through")
+        a = _make(engines, tiny, **args)
+        _, got = _run(a, _prompt(4))
+        assert got == cold(4)
+        assert a.engine.kv_tiering.store.flush()
+        server.freeze()  # connections stay open, nothing answers: timeouts
+        _, got = _run(a, _prompt(5))  # a new prompt: its lookup asks Redis, which times out
+        assert got == cold(5)
+        assert a.engine.kv_tiering.store.flush(30)
+        redis_stats = a.engine.stats()["kv_offload"]["tiers"]["redis"]
+        assert redis_stats["available"] is False and redis_stats["read_errors"] + redis_stats["write_errors"] > 0
+        server.kill()
+        a.engine.close()
+        engines.remove(a)
+        b = _make(engines, tiny, **args)  # restart with Redis gone: disk still serves
+        for seed in (4, 5):
+            out, got = _run(b, _prompt(seed))
+            assert out.stats.num_disk_cached_tokens == _full_blocks(_prompt(seed)) and got == cold(seed)
+        _assert_idle_and_whole(b)
+    finally:
+        server.kill()
+
+
+def test_a_full_disk_bounds_the_tier_and_costs_only_hits(tiny, tmp_path, engines, cold) -> None:
+    ids = _prompt(6)
+    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through",
+              kv_offload_max_gb=3.5 * 4300 / 2**30)  # about three of this model's blocks
+    _, got = _run(a, ids)
+    assert got == cold(6)
+    assert a.engine.kv_tiering.store.flush()
+    disk = a.engine.kv_tiering.store.tiers[0]
+    assert isinstance(disk, DiskTier) and disk.total_bytes <= disk.max_bytes and disk.num_evicted > 0
+    a.engine.close()
+    engines.remove(a)
+    b = _make(engines, tiny, kv_offload_dir=str(tmp_path))
+    out, got = _run(b, ids)  # the first blocks were evicted first: no run starts at block 0
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "absent" and got == cold(6)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / b.engine.kv_tiering.fingerprint.hex[:16]).write_text("a file where the model's folder belongs")
+    c = _make(engines, tiny, kv_offload_dir=str(broken), kv_offload_policy="write_through")
+    _, got = _run(c, ids)
+    assert got == cold(6)
+    assert c.engine.kv_tiering.store.flush()
+    assert c.engine.stats()["kv_offload"]["tiers"]["disk"]["write_errors"] == _full_blocks(ids) // BS
+
+
+def test_corrupted_truncated_and_foreign_entries_are_counted_misses(tiny, tmp_path, engines, cold) -> None:
+    ids = _prompt(7)
+    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through")
+    _run(a, ids)
+    a.engine.close()
+    engines.remove(a)
+    tiering = a.engine.kv_tiering
+    disk = tiering.store.tiers[0]
+    keys = block_keys(ids[:-1], BS, _full_blocks(ids) // BS, tiering.fp)
+    paths = [disk.path_of(tiering.store.name_of(k)) for k in keys]
+    with open(paths[3], "r+b") as f:  # a flipped byte in block 3's KV
+        f.seek(os.path.getsize(paths[3]) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with open(paths[6], "r+b") as f:
+        f.truncate(100)
+
+    b = _make(engines, tiny, kv_offload_dir=str(tmp_path))
+    out, got = _run(b, ids)
+    assert out.stats.num_disk_cached_tokens == 3 * BS and out.stats.kv_tier_stop == "invalid:corrupt"
+    assert got == cold(7), "blocks 0-2 loaded, the rest recomputed: same tokens"
+    assert b.engine.stats()["kv_offload"]["tiers"]["disk"]["invalid_entries"]["corrupt"] == 1
+    _assert_idle_and_whole(b)
+
+    # another dtype is another model as far as KV bytes go: its own names, and an entry of ours copied
+    # under its name is refused as foreign
+    f32 = _make(engines, tiny, dtype="float32", kv_offload_dir=str(tmp_path))
+    t32 = f32.engine.kv_tiering
+    assert t32.fp != tiering.fp
+    k32 = block_keys(ids[:-1], BS, 1, t32.fp)[0]
+    p32 = t32.store.tiers[0].path_of(t32.store.name_of(k32))
+    os.makedirs(os.path.dirname(p32), exist_ok=True)
+    with open(paths[0], "rb") as src, open(p32, "wb") as dst:
+        dst.write(src.read())
+    out, got = _run(f32, ids)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "invalid:foreign"
+    assert got == cold(7, "float32")
+    assert f32.engine.stats()["kv_offload"]["tiers"]["disk"]["invalid_entries"]["foreign"] == 1
+
+
+def test_abort_during_a_load_frees_everything(tiny, tmp_path, engines) -> None:
+    ids = _prompt(8)
+    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through")
+    _run(a, ids)
+    a.engine.close()
+    engines.remove(a)
+
+    b = _make(engines, tiny, kv_offload_dir=str(tmp_path), max_num_seqs=1)
+    e = b.engine
+    # 1. aborted while its lookup runs (or right after it landed, before its blocks were taken)
+    e.add_request("r1", {"prompt_token_ids": ids}, GREEDY)
+    assert "r1" in e.waiting_for_kv
+    e.abort_request("r1")
+    _assert_idle_and_whole(b)
+    assert e.block_manager.cache.stats().evictable == 0, "nothing was loaded for an aborted lookup"
+
+    # 2. aborted after its blocks were loaded and locked, while it waits for a slot in the batch
+    e.add_request("busy", {"prompt_token_ids": _prompt(9, 40)}, SamplingParams(temperature=0.0, max_tokens=30))
+    e.step()
+    req = e.add_request("r2", {"prompt_token_ids": ids}, GREEDY)
+    req.kv_load_future.result(timeout=30)
+    e.step()  # the load lands: blocks into the tree, r2 waits behind "busy" (max_num_seqs=1)
+    seq = req.seqs[0]
+    assert seq.prefetch_node is not None and not seq.block_table
+    assert e.block_manager.cache.stats().locked >= _full_blocks(ids) // BS
+    e.check_integrity()
+    e.abort_request("r2")
+    assert seq.prefetch_node is None
+    e.abort_request("busy")
+    _assert_idle_and_whole(b)
+    assert e.block_manager.cache.stats().evictable >= _full_blocks(ids) // BS, "the loaded blocks stay cached"
+
+
+def test_a_full_write_queue_drops_writes_and_counts_them(tiny, tmp_path, engines, cold) -> None:
+    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through",
+              kv_offload_queue_mb=0.001)  # smaller than one block: every write is dropped
+    _, got = _run(a, _prompt(10))
+    assert got == cold(10)
+    assert a.engine.kv_tiering.store.flush()
+    st = a.engine.stats()["kv_offload"]
+    assert st["dropped_blocks"] == _full_blocks(_prompt(10)) // BS and st["tiers"]["disk"]["written_blocks"] == 0
+
+
+def test_events_sessions_and_metrics_see_the_tiers(tiny, tmp_path, engines) -> None:
+    from prometheus_client import generate_latest
+
+    from chatserve.server.metrics import ServerMetrics
+
+    ids = _prompt(11)
+    a = _make(engines, tiny, kv_offload_dir=str(tmp_path))  # write-back: only the session's lease writes through
+    a.engine.add_request("s-turn", {"prompt_token_ids": ids}, GREEDY, session=SessionKV("sess-1", lease_seconds=60))
+    while a.engine.has_unfinished_requests():
+        a.engine.step()
+    assert a.engine.kv_tiering.store.flush()
+    history = ids  # the stored history of the session: its prompt (and reply)
+    report = a.engine.session_cache_report("sess-1", history)
+    assert report["tiers"] == {"memory": _full_blocks(ids) + BS * (len(ids) % BS == 0), "disk": len(ids) // BS * BS}
+    events = a.engine.kv_tiering.stored_events()
+    n = len(ids) // BS
+    assert [e.medium for e in events] == ["DISK"] * n
+    assert [e.block_hashes[0] for e in events] == event_hashes(ids, BS, n)
+    text = generate_latest(ServerMetrics(a.engine.stats, "tiny").registry).decode()
+    assert 'chatserve:kv_offload_written_blocks_total{medium="disk",model_name="tiny"}' in text
+    assert "chatserve:kv_offload_dropped_blocks_total" in text
+
+
+def test_tier_flags_are_checked() -> None:
+    from chatserve.config import EngineArgs
+
+    with pytest.raises(ValueError, match="kv_offload_policy"):
+        EngineArgs(kv_offload_dir="/tmp/x", kv_offload_policy="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kv_offload_max_gb"):
+        EngineArgs(kv_offload_dir="/tmp/x", kv_offload_max_gb=0)
+    with pytest.raises(ValueError, match="kv_offload_redis_url"):
+        EngineArgs(kv_offload_redis_url="localhost:6379")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineArgs(kv_offload_dir="/tmp/x", enable_prefix_caching=False)

@@ -61,6 +61,8 @@ class AttentionBackend(ABC):
     """Stores each layer's new K/V in the paged cache and attends the batch's queries over it."""
 
     name: str
+    # whether forward takes a layer's window and soft-cap (the Triton kernels do not yet)
+    supports_sliding_window: bool = True
 
     @abstractmethod
     def prepare(self, layout: BatchLayout, device: torch.device) -> Any:
@@ -77,5 +79,11 @@ class AttentionBackend(ABC):
         slot_mapping: torch.Tensor,  # [T] where each new token's K/V goes
         metadata: Any,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Store k/v at `slot_mapping`, then return the attention output [T, H, D]."""
+        """Store k/v at `slot_mapping`, then return the attention output [T, H, D].
+
+        window > 0: this layer's sliding window (a row at pos sees keys pos - window + 1 .. pos, as
+        transformers masks it); softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2).
+        Both are per layer: one step's metadata serves windowed and global layers alike."""

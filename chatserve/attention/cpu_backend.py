@@ -88,9 +88,13 @@ class CpuPagedAttentionBackend(AttentionBackend):
             group_start=tensor(group_start),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, slot_mapping, metadata: CpuAttentionMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, slot_mapping, metadata: CpuAttentionMetadata, scale,
+                window: int = 0, softcap: float = 0.0):
         self._store_kv(k, v, k_cache, v_cache, slot_mapping)
         m = metadata
+        if window or softcap:  # the same kernel: a row walks only its window's tiles, soft-capped scores
+            return self._attend(q, k_cache, v_cache, m.block_tables, m.query_start, m.start_pos, m.seq_order,
+                                m.group_start, scale, window, softcap)
         return self._attend(q, k_cache, v_cache, m.block_tables, m.query_start, m.start_pos, m.seq_order,
                             m.group_start, scale)
 

@@ -18,6 +18,7 @@ from chatserve.kernels.reference import (
     cascade_extend_attention,
     paged_decode_attention,
     paged_extend_attention,
+    paged_masked_attention,
     store_kv_cache,
 )
 
@@ -60,6 +61,7 @@ class TorchAttentionMetadata:
     extend_block_tables: torch.Tensor | None = None  # [Ep, max_blocks] of the plain extends
     extend_query_start_loc: torch.Tensor | None = None  # [Ep + 1] offsets within the plain extend tokens
     extend_seq_lens: torch.Tensor | None = None  # [Ep] prefix + new tokens
+    layout: BatchLayout | None = None  # the step as given: sliding-window and soft-capped layers read it
 
 
 def find_shared_prefixes(tables: list[list[int]], max_blocks: list[int], min_blocks: int) -> list[tuple[list[int], int]]:
@@ -103,7 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         bs = layout.block_size
-        meta = TorchAttentionMetadata(layout.num_decodes, layout.num_extends)
+        meta = TorchAttentionMetadata(layout.num_decodes, layout.num_extends, layout=layout)
         if layout.num_decodes:
             tables = layout.decode_block_tables
             context = [p + 1 for p in layout.decode_positions]
@@ -180,8 +182,11 @@ class TorchAttentionBackend(AttentionBackend):
             max_len=meta.decode_max_len, mask=meta.decode_mask,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, slot_mapping, metadata: TorchAttentionMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, slot_mapping, metadata: TorchAttentionMetadata, scale,
+                window: int = 0, softcap: float = 0.0):
         self.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        if window > 0 or softcap > 0:  # explicit scores (SDPA has no soft-cap), no cascade groups
+            return self._masked(q, k_cache, v_cache, metadata, scale, window, softcap)
         nd = metadata.num_decodes
         if metadata.num_extends == 0:
             return self._decode(q, k_cache, v_cache, metadata, scale)
@@ -191,6 +196,18 @@ class TorchAttentionBackend(AttentionBackend):
         out[:nd] = self._decode(q[:nd], k_cache, v_cache, metadata, scale)
         out[nd:] = self._extend(q[nd:], k_cache, v_cache, metadata, scale)
         return out
+
+    @staticmethod
+    def _masked(q, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float, window: int, softcap: float) -> torch.Tensor:
+        layout = meta.layout
+        assert layout is not None
+        lens = [1] * layout.num_decodes + layout.extend_lens
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        return paged_masked_attention(q, k_cache, v_cache, layout.decode_block_tables + layout.extend_block_tables, starts,
+                                      layout.decode_positions + layout.extend_start_positions, scale,
+                                      window=window, softcap=softcap)
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         if not meta.decode_groups:

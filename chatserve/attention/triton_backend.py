@@ -65,6 +65,7 @@ def load_triton_kernels(device: torch.device):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_sliding_window = False  # models needing it are refused at build (models/llama.py)
 
     def __init__(self, device: torch.device) -> None:
         self.kernels = load_triton_kernels(device)
@@ -86,7 +87,11 @@ class TritonAttentionBackend(AttentionBackend):
             meta.extend_max_query_len = max(layout.extend_lens)
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, slot_mapping, metadata: TritonAttentionMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, slot_mapping, metadata: TritonAttentionMetadata, scale,
+                window: int = 0, softcap: float = 0.0):
+        if window or softcap:
+            raise ValueError("attention_backend='triton' has no sliding-window or soft-capped attention yet "
+                             "(Gemma 2/3, Phi-3, Mistral with sliding_window); use attention_backend='torch'")
         tk = self.kernels
         tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         out = torch.empty_like(q)

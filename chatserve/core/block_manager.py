@@ -27,6 +27,12 @@ from chatserve.core.sequence import Sequence
 
 MISS_REASONS: tuple[str, ...] = get_args(MissReason)
 
+# A block-table entry whose block went back to the pool: every key in it is outside every layer's
+# sliding window for the sequence's next rows (`free_out_of_window`). The attention kernels read
+# only the blocks a row's window covers, so such an entry is never read; it keeps the table's
+# indexing (position p in entry p // block_size) for the blocks after it.
+FREED_BLOCK = -1
+
 
 class AdoptResult(NamedTuple):
     """Blocks loaded from a lower tier that the tree now holds (see ``BlockManager.adopt_blocks``)."""
@@ -66,6 +72,8 @@ class BlockManager:
         self.miss_reasons: Counter[str] = Counter({r: 0 for r in MISS_REASONS})  # per request, at first admission
         self.lease_hits = 0  # requests whose hit ended on a leased branch
         self.lease_hit_tokens = 0
+        self._window_freed_upto: dict[int, int] = {}  # seq_id -> table entries already freed or kept
+        self.num_window_freed_blocks = 0  # blocks freed by `free_out_of_window`, for metrics and tests
 
     @property
     def num_total_blocks(self) -> int:
@@ -256,6 +264,30 @@ class BlockManager:
             del seq.block_table[keep:]
             self.allocator.decref(extra)
 
+    def free_out_of_window(self, seq: Sequence, first_needed: int) -> int:
+        """Free seq's blocks wholly before position `first_needed`, the first key any of its next
+        rows attends to in any layer (a model whose every layer has a sliding window: the next
+        position minus the largest window, plus one). Their table entries become FREED_BLOCK.
+
+        Only for an engine without the prefix cache: with it, every full block is published as it is
+        computed (it is the cached prefix a later request reuses) and stays the cache's, evictable
+        once no sequence locks it. Returns how many blocks went free.
+        """
+        assert not self.cache_enabled, "windowed blocks are freed only without the prefix cache"
+        stop = min(max(0, first_needed) // self.block_size, len(seq.block_table))
+        start = self._window_freed_upto.get(seq.seq_id, 0)
+        if stop <= start:
+            return 0
+        pinned = {c.src for c in self._pending_copies.values()}
+        freed = [b for b in seq.block_table[start:stop] if b != FREED_BLOCK and b not in pinned]
+        for i in range(start, stop):
+            if seq.block_table[i] not in pinned:
+                seq.block_table[i] = FREED_BLOCK
+        self._window_freed_upto[seq.seq_id] = stop
+        self.allocator.decref(freed)
+        self.num_window_freed_blocks += len(freed)
+        return len(freed)
+
     # ---- sharing computed blocks -------------------------------------------
     def publish(self, seq: Sequence) -> None:
         """Offer seq's newly computed full blocks to the prefix cache (also mid-prefill).
@@ -291,7 +323,8 @@ class BlockManager:
             self.cache.set_lease(seq.session.session_id, seq.cache_node, seq.session.lease_seconds)
         if seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)
-        self.allocator.decref(seq.block_table)
+        self.allocator.decref([b for b in seq.block_table if b != FREED_BLOCK])
+        self._window_freed_upto.pop(seq.seq_id, None)
         seq.block_table = []
         seq.cache_node = None
         seq.num_computed_tokens = 0
@@ -313,7 +346,7 @@ class BlockManager:
 
     # ---- checks ------------------------------------------------------------
     def check_integrity(self, live: list[Sequence]) -> None:
-        refs = Counter(b for s in live for b in s.block_table)
+        refs = Counter(b for s in live for b in s.block_table if b != FREED_BLOCK)
         pinned = Counter(c.src for c in self._pending_copies.values())
         live_ids = {s.seq_id for s in live}
         for seq_id, c in self._pending_copies.items():

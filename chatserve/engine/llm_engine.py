@@ -117,6 +117,10 @@ class LLMEngine:
         )
         logger.info("weight cache: %s", self.runner.weight_cache.describe())
         self.runner.eos_token_ids = tuple(self.eos_token_ids)
+        # every layer windowed (Phi-3, Mistral): blocks the windows have passed go back to the pool
+        # each step (without the prefix cache: with it they are the cached prefix; see docs/architecture.md)
+        windows = tuple(getattr(self.runner.model, "windows", ()))
+        self.kv_free_window = max(windows) if windows and all(windows) and not args.enable_prefix_caching else 0
         pool = self.runner.pool
         self.max_model_len_note = ""
         if args.max_model_len is None and pool.num_tokens < max_len:
@@ -463,6 +467,9 @@ class LLMEngine:
                 self.num_prefill_tokens_computed += s.num_new_tokens
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.publish(s.seq)  # returns at once unless a new full block was computed
+            if self.kv_free_window:  # down to a 16-key tile: the C++ kernel reads a window's first tile whole
+                first = max(0, s.seq.num_computed_tokens - self.kv_free_window + 1) // 16 * 16
+                self.block_manager.free_out_of_window(s.seq, first)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for out in sampled:

@@ -279,3 +279,63 @@ def cascade_extend_attention(
         lse_s[start : start + n] = _unfold_gqa(lse, n, rep)
         start += n
     return merge_attention_states(o_p, lse_p, o_s, lse_s)
+
+
+# ---------------------------------------------------------------------------
+# Sliding-window and soft-capped attention (Gemma 2/3, Phi-3, Mistral): the ground truth.
+# ---------------------------------------------------------------------------
+
+
+def window_start(pos: int, window: int) -> int:
+    """First key a query at `pos` attends to: HF's sliding window keeps key k when k > pos - window."""
+    return max(0, pos - window + 1) if window > 0 else 0
+
+
+def paged_masked_attention(
+    query: torch.Tensor,  # [T, H, D], each sequence's new rows in order
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: list[list[int]],
+    query_start: list[int],  # [S + 1] offsets of each sequence's rows in `query`
+    start_pos: list[int],  # [S] position of each sequence's first new row
+    scale: float,
+    *,
+    window: int = 0,  # > 0: a row at pos sees keys pos - window + 1 .. pos only
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) before the mask
+) -> torch.Tensor:
+    """Attention with explicit float32 scores, as transformers' eager attention computes it
+    (scores * scale, soft-cap, mask, softmax in float32, weights cast to the query's dtype, then V).
+
+    Only the blocks holding keys some row of the sequence can see are read, so entries of a table
+    before the first row's window may name any block (freed ones included).
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = k_cache.shape[-2], k_cache.shape[1]
+    rep = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    k_flat = k_cache.reshape(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.reshape(-1, num_kv_heads, head_dim)
+    for i, table in enumerate(block_tables):
+        q0, q1 = query_start[i], query_start[i + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        first, last = window_start(start_pos[i], window), start_pos[i] + n - 1
+        keys = torch.arange(first, last + 1, device=query.device)
+        blocks = torch.tensor(table, dtype=torch.int64, device=query.device)
+        slots = blocks[keys // block_size] * block_size + keys % block_size
+        k = k_flat[slots].to(query.dtype).transpose(0, 1)  # [KVH, L, D]
+        v = v_flat[slots].to(query.dtype).transpose(0, 1)
+        q = query[q0:q1].reshape(n, num_kv_heads, rep, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, n * rep, head_dim)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [KVH, n * rep, L]
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(start_pos[i], start_pos[i] + n, device=query.device).repeat_interleave(rep).unsqueeze(1)
+        visible = keys.unsqueeze(0) <= q_pos
+        if window > 0:
+            visible &= keys.unsqueeze(0) > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        o = torch.matmul(weights, v)  # [KVH, n * rep, D]
+        out[q0:q1] = o.reshape(num_kv_heads, n, rep, head_dim).permute(1, 0, 2, 3).reshape(n, num_heads, head_dim)
+    return out

@@ -20,3 +20,17 @@ class SiluAndMul(nn.Module):
             return self._kernel(gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up (Gemma's GeGLU, transformers' "gelu_pytorch_tanh"), in torch ops: the
+    C++ fused kernels compute silu only, and this is a small part of a step."""
+
+    def __init__(self, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self._kernel = None  # no C++ kernel (models/layer_stack.py reads this)
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

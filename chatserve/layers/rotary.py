@@ -10,34 +10,50 @@ from torch import nn
 from chatserve.kernels.cpu import CpuKernels
 
 
-def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(hf_config: Any, head_dim: int, *, layer_type: str | None = None,
+                  max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) exactly as transformers computes them for this config.
 
     Default rope is computed here; every scaled variant (linear, dynamic, yarn,
     llama3, longrope) comes from transformers' ROPE_INIT_FUNCTIONS.
+    layer_type: the per-layer-type settings of configs that have them (Gemma 3: "sliding_attention"
+    layers rotate with rope_local_base_freq, "full_attention" ones with rope_theta and its scaling).
+    max_positions: for longrope (Phi-3), which factors the engine uses for every position: the long
+    ones where it serves contexts past original_max_position_embeddings, as llama.cpp decides from
+    its context size. (transformers switches per forward by the current length, which re-rotates
+    nothing already cached; one table for the engine's life keeps a token's keys one rotation.)
     """
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None and isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
     if rope_type == "default":
         theta = params.get("rope_theta") if isinstance(params, dict) else None
         theta = theta or getattr(hf_config, "rope_theta", 10000.0)
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) or 1.0
+        dim = int(head_dim * factor)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
         return 1.0 / (theta**exponent), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    kwargs: dict[str, Any] = {}
+    if layer_type is not None:
+        kwargs["layer_type"] = layer_type
+    if rope_type == "longrope" and max_positions is not None:
+        kwargs["seq_len"] = max_positions
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables for every position up to `max_positions`."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         with torch.device("cpu"):  # real numbers even when the model is built on the meta device
-            inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
+            inv_freq, scaling = rope_inv_freq(hf_config, head_dim, layer_type=layer_type, max_positions=max_positions)
             pos = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(pos, inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -52,7 +68,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; the rotate-half convention of HF Llama checkpoints."""
+    """x: [T, heads, head_dim]; the rotate-half convention of HF Llama checkpoints. Tables narrower
+    than head_dim (partial rotary, Phi-4-mini) rotate the first dims and pass the rest through."""
+    rot = cos.shape[-1]
+    if rot != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, rotated, sin)
@@ -64,10 +84,10 @@ class QKRotary:
     (no q/k norms, head_dim a multiple of 32), or q/k RMSNorm (Qwen3) then `apply_rotary`."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, qk_norm: tuple[nn.Module, nn.Module] | None,
-                 kernels: CpuKernels | None) -> None:
+                 kernels: CpuKernels | None, rotary_dim: int = 0) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_norm = qk_norm
-        fits = qk_norm is None and head_dim % 32 == 0
+        fits = qk_norm is None and head_dim % 32 == 0 and rotary_dim in (0, head_dim)
         self._kernel = kernels.rope_inplace if kernels is not None and fits else None
         self._heads = [num_heads, num_kv_heads, num_kv_heads]  # q|k|v heads, as split_with_sizes takes them
 

@@ -35,7 +35,25 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention (Gemma 2/3, Phi-3, Mistral): each layer's sliding window (0: global;
+    # empty: every layer global), the score soft-cap, and the softmax scale where it is not head_dim^-1/2.
+    layer_windows: tuple[int, ...] = ()
+    attn_softcap: float = 0.0  # Gemma 2: attn_logit_softcapping
+    final_softcap: float = 0.0  # Gemma 2: final_logit_softcapping, on the logits
+    attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5
+    rotary_dim: int = 0  # rotated dims of each head (Phi-4-mini: partial_rotary_factor); 0: head_dim
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)
     hf_config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def window_of(self, layer: int, max_positions: int) -> int:
+        """Layer `layer`'s sliding window, 0 where it has none or where the window covers every
+        position the engine serves (a window of at least max_positions masks nothing)."""
+        w = self.layer_windows[layer] if self.layer_windows else 0
+        return w if 0 < w < max_positions else 0
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -43,6 +61,8 @@ class ModelConfig:
         model_type = getattr(hf_config, "model_type", "")
         arch = archs[0] if archs else MODEL_TYPES.get(model_type, model_type or "<unknown>")
         check_architecture(arch)
+        if arch in TEXT_OF_MULTIMODAL:  # serve the language model: its config is the nested text_config
+            hf_config = hf_config.text_config
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = hf_config.eos_token_id
@@ -60,11 +80,69 @@ class ModelConfig:
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf_config, "attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in QK_NORM_ARCHS,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            layer_windows=layer_windows(hf_config),
+            attn_softcap=float(getattr(hf_config, "attn_logit_softcapping", None) or 0.0),
+            final_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
+            attn_scale=_query_scale(hf_config),
+            rotary_dim=_rotary_dim(hf_config, head_dim),
+            hidden_act=_hidden_act(hf_config),
             hf_config=hf_config,
         )
+
+
+# multimodal checkpoints whose text model we serve (models/gemma.py maps their weight names)
+TEXT_OF_MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration"})
+QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+
+
+def layer_windows(hf_config: Any) -> tuple[int, ...]:
+    """Each layer's sliding window from a transformers config, as transformers' masks read it:
+    `layer_types` names the windowed layers where the config has it (Gemma 2/3, Qwen2 with
+    use_sliding_window), else a `sliding_window` applies to every layer (Mistral, Phi-3)."""
+    window = getattr(hf_config, "sliding_window", None) or 0
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    n = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        return (window,) * n
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types: unsupported attention types {sorted(unknown)} (supported: sliding_attention, full_attention)")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def _query_scale(hf_config: Any) -> float | None:
+    scalar = getattr(hf_config, "query_pre_attn_scalar", None)
+    return None if scalar is None else float(scalar) ** -0.5
+
+
+def _rotary_dim(hf_config: Any, head_dim: int) -> int:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    factor = factor or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    dim = int(head_dim * factor)
+    if dim <= 0 or dim > head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor} gives {dim} rotated dims of {head_dim}; it must be even and in (0, head_dim]")
+    return 0 if dim == head_dim else dim
+
+
+def _hidden_act(hf_config: Any) -> str:
+    act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None) or "silu"
+    if act == "gelu" and getattr(hf_config, "model_type", "").startswith("gemma"):
+        act = "gelu_pytorch_tanh"  # Gemma checkpoints name the tanh GELU "gelu"; transformers runs it so
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+    return act
 
 
 __all__ = ["ModelConfig"]

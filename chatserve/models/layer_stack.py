@@ -51,6 +51,8 @@ def build_layer_stack(model: LlamaFamilyForCausalLM) -> Any | None:
     ops, cfg = model.ops, model.config
     if ops.cpu is None or not TIERS[ops.cpu.tier].tiered or cfg.qk_norm:
         return None
+    if any(layer.self_attn.window for layer in model.layers) or cfg.attn_softcap or cfg.rotary_dim:
+        return None  # the C++ runner calls plain attention over every key, full-width rotary
     if not isinstance(ops.attention, CpuPagedAttentionBackend):
         return None
     module = build_tier_module(TIERS[ops.cpu.tier])

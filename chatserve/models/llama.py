@@ -15,7 +15,7 @@ from torch import nn
 
 from chatserve.attention.base import AttentionBackend
 from chatserve.forward_batch import ForwardBatch
-from chatserve.layers.activation import SiluAndMul
+from chatserve.layers.activation import GeluTanhAndMul, SiluAndMul
 from chatserve.layers.linear import Linear
 from chatserve.layers.norm import RMSNorm
 from chatserve.layers.ops import LayerOps
@@ -28,12 +28,15 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the batch's posit
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: LayerOps, window: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.scale
+        self.window = window  # this layer's sliding window (0: global), see ModelConfig.window_of
+        # what the backend gets past the scale: nothing for plain attention (the hot path's call as before)
+        self._attn_extra: tuple[int, float] | tuple[()] = (window, cfg.attn_softcap) if window or cfg.attn_softcap else ()
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops.linear)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops.linear)
         qk_norm = None
@@ -41,14 +44,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.cpu)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.cpu)
             qk_norm = (self.q_norm, self.k_norm)
-        self.rotate = QKRotary(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm=qk_norm, kernels=ops.cpu)
+        self.rotate = QKRotary(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm=qk_norm, kernels=ops.cpu,
+                               rotary_dim=cfg.rotary_dim)
         self.attn: AttentionBackend = ops.attention
         self._qkv_proj, self._o_proj = direct(self.qkv_proj), direct(self.o_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.rotate(self._qkv_proj(x), *rope)
-        out = self.attn.forward(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.attn, self.scale)
+        out = self.attn.forward(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.attn, self.scale, *self._attn_extra)
         return self._o_proj(out.flatten(1))
 
 
@@ -56,7 +60,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, ops.linear)
-        self.act = SiluAndMul(cfg.intermediate_size, ops.cpu)
+        self.act = (SiluAndMul(cfg.intermediate_size, ops.cpu) if cfg.hidden_act == "silu"
+                    else GeluTanhAndMul(cfg.intermediate_size))
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops.linear)
         self._gate_up_proj, self._act, self._down_proj = direct(self.gate_up_proj), direct(self.act), direct(self.down_proj)
 
@@ -65,10 +70,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: LayerOps, window: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
-        self.self_attn = Attention(cfg, layer_idx, ops)
+        self.self_attn = Attention(cfg, layer_idx, ops, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
         self.mlp = MLP(cfg, ops)
         self._input_norm, self._input_add_norm = direct(self.input_layernorm), self.input_layernorm.add_and_norm
@@ -88,6 +93,17 @@ class DecoderLayer(nn.Module):
         a = self._self_attn(x, batch, rope, k_cache, v_cache)
         x, residual = self._post_add_norm(a, residual)
         return self._mlp(x), residual
+
+
+def check_attention_features(cfg: ModelConfig, max_positions: int, ops: LayerOps) -> tuple[int, ...]:
+    """Each layer's effective sliding window (0: global); refuses, at build time, an attention
+    backend that cannot run this model's windows or soft-capping, and an MLP activation this
+    family does not compute."""
+    windows = tuple(cfg.window_of(i, max_positions) for i in range(cfg.num_layers))
+    if (any(windows) or cfg.attn_softcap) and not getattr(ops.attention, "supports_sliding_window", True):
+        raise ValueError(f"attention backend {ops.attention.name!r} has no sliding-window or soft-capped attention, "
+                         f"which {cfg.architecture} needs; use attention_backend='torch' (or 'auto' on the CPU)")
+    return windows
 
 
 def direct(module: nn.Module) -> Callable[..., Any]:
@@ -117,6 +133,11 @@ class LlamaFamilyForCausalLM(nn.Module):
     `load_weights` fills the HF-named tensors in, `process_weights` then lets each layer's method
     repack them."""
 
+    # every layer through csrc/tier_kernels.cpp's LayerStack where its kernels allow; a family whose
+    # layers differ from Llama's (models/gemma.py) sets False
+    layer_stack_capable = True
+    layer_cls: type[nn.Module] = DecoderLayer  # a family with other layers (models/gemma.py) names its own
+
     def __init__(self, cfg: ModelConfig, max_positions: int, ops: LayerOps) -> None:
         super().__init__()
         self.config = cfg
@@ -126,7 +147,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         # torch._dynamo, triton and sympy (~100 MiB resident that a CPU engine never uses).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.windows = check_attention_features(cfg, max_positions, ops)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i, ops, self.windows[i]) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
         # A tied lm_head gets the embedding's weight at load (`load_weights`), then its method's layout.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops.linear)
@@ -170,7 +192,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         h = (h if residual is None else residual + h).index_select(0, batch.logits_indices)
         if h.shape[0] == 0:  # a step of prefill chunks only: the KV cache is filled, nothing to sample
             return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        return self.lm_head(self.norm(h)).float()
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the last hidden states (final norm, lm_head, the config's soft-cap)."""
+        logits = self.lm_head(self.norm(h)).float()
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     @torch.inference_mode()
     def process_weights(self) -> None:
@@ -197,7 +225,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.embed_tokens = self.lm_head.method.tied_embedding(self.lm_head, self.embed_tokens)
         self.ops.release_memory()
-        self.layer_stack = build_layer_stack(self)
+        self.layer_stack = build_layer_stack(self) if self.layer_stack_capable else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copy HF-named tensors in, merging q/k/v and gate/up; every parameter must be filled.

@@ -2,7 +2,7 @@
 
 Names map to "module:Class" strings and are imported only when a model is built, so reading the
 list (config validation, `--help`) costs no torch import. A new architecture is one line here
-(and, if it is not a Llama-family variant, one module beside llama.py).
+(and, if its layer is not Llama's, one small module beside llama.py: gemma.py, phi3.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
     "Qwen2ForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
     "Qwen3ForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
+    # the same attention and matmuls in Gemma's layer (sandwich norms, GeGLU, soft-caps, local/global rope)
+    "Gemma2ForCausalLM": "chatserve.models.gemma:GemmaForCausalLM",
+    "Gemma3ForCausalLM": "chatserve.models.gemma:GemmaForCausalLM",
+    "Gemma3ForConditionalGeneration": "chatserve.models.gemma:GemmaForCausalLM",  # its language model
+    # Llama's layer; fused qkv / gate_up checkpoint tensors split at load, long-rope, partial rotary
+    "Phi3ForCausalLM": "chatserve.models.phi3:Phi3ForCausalLM",
 }
 
 # HF `model_type` -> architecture, for configs that do not list `architectures` (some GGUF files).
@@ -23,6 +29,10 @@ MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

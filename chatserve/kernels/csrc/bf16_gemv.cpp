@@ -216,7 +216,8 @@ double bf16_dot_peak_gflops(int64_t iterations);
 // kernels/csrc/cpu_attention.cpp
 torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos,
-                                   torch::Tensor seq_order, torch::Tensor group_start, double scale);
+                                   torch::Tensor seq_order, torch::Tensor group_start, double scale,
+                                   int64_t window, double softcap);
 void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping);
 void store_kv_paged_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -241,7 +242,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
   m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
   m.def("store_kv_paged_bf16", &store_kv_paged_bf16, "new tokens' K/V into their slots, in paged_attention_bf16's layout");
-  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache");
+  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
+        py::arg("start_pos"), py::arg("seq_order"), py::arg("group_start"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("bf16_gemv", &bf16_gemv, "small-batch bf16 x W^T");
   m.def("bf16_gemm_pack", &bf16_gemm_pack, "bf16 [N, K] -> the batch-invariant matmul's layout [G, Kp, 64, 2]",
         py::arg("w"), py::arg("out") = py::none());

@@ -55,7 +55,8 @@ struct QVec {
   int64_t t;     // row of q / out
   int64_t head;  // query head
   int64_t seq;   // sequence (row of the block tables)
-  int64_t pos;   // position: keys 0..pos are attended
+  int64_t pos;   // position: keys lo..pos are attended
+  int64_t lo;    // first attended key: 0, or pos - window + 1 for a sliding-window layer
 };
 
 struct Item {
@@ -74,6 +75,7 @@ struct Ctx {
   const int64_t* tables;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2), before the mask
 };
 
 // Per thread: a tile's K gathered from blocks smaller than a tile, and the rows' running state.
@@ -83,6 +85,13 @@ struct Scratch {
   alignas(64) float lv[kMaxItemRows * kTile];  // per row: the running sum of e, lane by lane
   float m[kMaxItemRows];
 };
+
+// tanh(x) = 1 - 2 / (e^2x + 1): e^2x overflows to inf for large x (giving 1) and clamps at e^-87
+// for very negative x (giving -1); lane by lane, the same steps for every row.
+inline __m512 tanh_ps(__m512 x) {
+  const __m512 e = exp_ps(_mm512_add_ps(x, x));
+  return _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+}
 
 // Where one tile's K and V are: K pairs for dims (2c, 2c+1) of the 16 keys at kt + c * kt_stride,
 // V pairs of keys (2i, 2i + 1) at vp[i] (D dwords each).
@@ -199,7 +208,12 @@ void scores_and_steps(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, 
     const int r = rows[n];
     const int64_t valid = qv[r].pos - key0 + 1;  // >= 1
     mask[n] = valid >= kTile ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
-    s[n] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[n], _mm512_mul_ps(s[n], _mm512_set1_ps(c.scale)));
+    const int64_t below = qv[r].lo - key0;  // lanes before a sliding window's first key (< kTile)
+    if (below > 0) mask[n] = (__mmask16)(mask[n] & (0xFFFFu << below));
+    __m512 scaled = _mm512_mul_ps(s[n], _mm512_set1_ps(c.scale));
+    if (c.softcap > 0.0f)
+      scaled = _mm512_mul_ps(tanh_ps(_mm512_div_ps(scaled, _mm512_set1_ps(c.softcap))), _mm512_set1_ps(c.softcap));
+    s[n] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[n], scaled);
     const float m_old = st.m[r];
     m_new[n] = std::max(m_old, _mm512_reduce_max_ps(s[n]));
     diff = _mm512_mask_mov_ps(diff, (__mmask16)(1u << n), _mm512_set1_ps(m_old - m_new[n]));  // -inf on the first tile, 0 when the max stays
@@ -240,22 +254,24 @@ void run_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const in
 
 void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_head) {
   const int64_t D = c.head_dim;
-  int64_t max_pos = 0;
+  int64_t max_pos = 0, min_lo = INT64_MAX;
   for (int64_t r = 0; r < n; ++r) {
     st.m[r] = -INFINITY;
     _mm512_store_ps(st.lv + r * kTile, _mm512_setzero_ps());
     std::memset(st.acc + r * D, 0, D * sizeof(float));
     max_pos = std::max(max_pos, qv[r].pos);
+    min_lo = std::min(min_lo, qv[r].lo);
   }
   int rows[kMaxItemRows];
   int64_t cur[kTile], blocks[kTile];
   Tile tile{};
   const bool whole_blocks = c.block_size >= kTile;  // a tile lies in one block: same sequence, same tile
-  for (int64_t key0 = 0; key0 <= max_pos; key0 += kTile) {
+  // a row's tiles: those holding a key of lo..pos, in order (tile 16j covers keys 16j .. 16j + 15)
+  for (int64_t key0 = min_lo / kTile * kTile; key0 <= max_pos; key0 += kTile) {
     int ncur = 0, nrows = 0;
     int64_t cur_seq = -1;
     for (int64_t r = 0; r < n; ++r) {
-      if (qv[r].pos < key0) continue;
+      if (qv[r].pos < key0 || qv[r].lo >= key0 + kTile) continue;
       if (!(whole_blocks && qv[r].seq == cur_seq)) {
         const int nb = tile_blocks(c, c.tables + qv[r].seq * c.max_blocks, qv[r].pos, key0, blocks);
         if (nb != ncur || !std::equal(blocks, blocks + nb, cur)) {  // another physical tile: other K/V
@@ -288,9 +304,13 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
 // their K/V already stored); groups: seq_order [S] lists the sequences group by group,
 // group_start [G + 1] where each group begins in it (a group's rows are processed together:
 // sequences sharing cached blocks read them once). Returns [T, H, D].
+// window > 0: a row at pos attends to keys pos - window + 1 .. pos only (HF's sliding window);
+// blocks wholly before a sequence's first row's window are never read, so their table entries may
+// be any value. softcap > 0: the scaled scores are soft-capped, softcap * tanh(score / softcap).
 torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos,
-                                   torch::Tensor seq_order, torch::Tensor group_start, double scale) {
+                                   torch::Tensor seq_order, torch::Tensor group_start, double scale,
+                                   int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shape mismatch");
@@ -302,6 +322,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(bs >= 2 && (bs % kTile == 0 || kTile % bs == 0), "block_size must be 2, 4, 8 or a multiple of 16");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
   if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
   block_tables = block_tables.contiguous();
   query_start = query_start.contiguous();
@@ -321,7 +342,8 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
     if (qs[s + 1] == qs[s]) continue;
     const int64_t last = sp[s] + qs[s + 1] - qs[s] - 1;
     TORCH_CHECK(last < max_blocks * bs, "context length outside the block table");
-    for (int64_t b = 0; b <= last / bs; ++b)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, sp[s] - window + 1) : 0;  // the first row's first key
+    for (int64_t b = first / kTile * kTile / bs; b <= last / bs; ++b)
       TORCH_CHECK(tb[s * max_blocks + b] >= 0 && tb[s * max_blocks + b] < NB, "block table names a block outside the KV pool");
   }
   const int64_t G = group_start.numel() - 1;
@@ -344,7 +366,10 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
     for (int64_t i = gs[g]; i < gs[g + 1]; ++i) {
       const int64_t s = order[i];
       for (int64_t t = qs[s]; t < qs[s + 1]; ++t)
-        for (int64_t k = 0; k < rep; ++k) group_qv[g].push_back({t, k, s, sp[s] + t - qs[s]});
+        for (int64_t k = 0; k < rep; ++k) {
+          const int64_t pos = sp[s] + t - qs[s];
+          group_qv[g].push_back({t, k, s, pos, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0});
+        }
     }
     total += static_cast<int64_t>(group_qv[g].size());
   }
@@ -360,7 +385,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
       const int64_t e = std::min<int64_t>(b + rows_per_item, list.size());
       double cost = 0, max_pos = 0;
       for (int64_t i = b; i < e; ++i) {
-        cost += static_cast<double>(list[i].pos / kTile + 1);
+        cost += static_cast<double>(list[i].pos / kTile - list[i].lo / kTile + 1);
         max_pos = std::max<double>(max_pos, list[i].pos);
       }
       cost += 8.0 * (max_pos / kTile + 1);  // the tiles' K/V copies
@@ -370,7 +395,8 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   const Ctx ctx{q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                out.data_ptr<at::BFloat16>(), tb, max_blocks, H, KVH, D, bs, static_cast<float>(scale)};
+                out.data_ptr<at::BFloat16>(), tb, max_blocks, H, KVH, D, bs, static_cast<float>(scale),
+                static_cast<float>(softcap)};
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {

@@ -66,7 +66,8 @@ struct QVec {
   int64_t t;     // row of q / out
   int64_t head;  // query head
   int64_t seq;   // sequence (row of the block tables)
-  int64_t pos;   // position: keys 0..pos are attended
+  int64_t pos;   // position: keys lo..pos are attended
+  int64_t lo;    // first attended key: 0, or pos - window + 1 for a sliding-window layer
 };
 
 struct Item {
@@ -85,7 +86,17 @@ struct Ctx {
   const int64_t* tables;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2), before the mask
 };
+
+// tanh(x) = 1 - 2 / (e^2x + 1): e^2x saturates for large x (giving 1) and clamps at e^-87 for very
+// negative x (giving -1); lane by lane, the same steps for every row.
+CS_INLINE VF tanh(VF x) {
+  return cs::sub(cs::set1(1.0f), cs::div(cs::set1(2.0f), cs::add(cs::exp(cs::add(x, x)), cs::set1(1.0f))));
+}
+
+// lane i of a tile's vector v holds key key0 + v * kLanes + i
+alignas(64) constexpr float kLaneIndex[kTile] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // Per thread: the item's rows (q in fp32, running state), a chunk's P, a gathered K tile.
 struct Scratch {
@@ -203,14 +214,18 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][k
   const VF scale = cs::set1(c.scale);
   alignas(64) float corr_lanes[kLanes] = {};
   float m_new[N];
-  int valid[N];
+  int valid[N], below[N];
   _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
     const int r = rows[n];
     valid[n] = static_cast<int>(std::min<int64_t>(qv[r].pos - key0 + 1, kTile));  // >= 1
+    below[n] = static_cast<int>(qv[r].lo - key0);  // lanes before a sliding window's first key (< kTile)
     VF top = cs::set1(-INFINITY);
     for (int v = 0; v < kTV; ++v) {
       s[n][v] = cs::mul(s[n][v], scale);
+      if (c.softcap > 0.0f) s[n][v] = cs::mul(tanh(cs::div(s[n][v], cs::set1(c.softcap))), cs::set1(c.softcap));
       if (valid[n] < kTile) s[n][v] = cs::keep_first(s[n][v], valid[n] - v * kLanes, -INFINITY);
+      if (below[n] > 0)
+        s[n][v] = cs::select_lt(cs::load(kLaneIndex + v * kLanes), cs::set1(static_cast<float>(below[n])), cs::set1(-INFINITY), s[n][v]);
       top = cs::max(top, s[n][v]);
     }
     const float m_old = st.m[r];
@@ -229,6 +244,7 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][k
     for (int v = 0; v < kTV; ++v) {
       VF e = cs::exp(cs::sub(s[n][v], cs::set1(m_new[n])));
       if (valid[n] < kTile) e = cs::keep_first(e, valid[n] - v * kLanes, 0.0f);
+      if (below[n] > 0) e = cs::select_lt(cs::load(kLaneIndex + v * kLanes), cs::set1(static_cast<float>(below[n])), cs::zero(), e);
       cs::store(p + v * kLanes, e);
       cs::store(lv + v * kLanes, cs::fma(cs::load(lv + v * kLanes), corr[n], e));
     }
@@ -264,7 +280,7 @@ void run_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const in
 
 void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_head) {
   const int64_t D = c.head_dim;
-  int64_t max_pos = 0;
+  int64_t max_pos = 0, min_lo = INT64_MAX;
   for (int64_t r = 0; r < n; ++r) {
     const uint16_t* q = c.q + qv[r].t * c.q_row_stride + qv[r].head * D;
     for (int64_t d = 0; d < D; d += kLanes) cs::store(st.q + r * D + d, cs::load_bf16(q + d));
@@ -272,16 +288,18 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
     std::memset(st.lv + r * kTile, 0, kTile * sizeof(float));
     st.m[r] = -INFINITY;
     max_pos = std::max(max_pos, qv[r].pos);
+    min_lo = std::min(min_lo, qv[r].lo);
   }
   int rows[kMaxItemRows];
   int64_t cur[kTile], blocks[kTile];
   Tile tile{};
   const bool whole_blocks = c.block_size >= kTile;  // a tile lies in one block: same sequence, same tile
-  for (int64_t key0 = 0; key0 <= max_pos; key0 += kTile) {
+  // a row's tiles: those holding a key of lo..pos, in order (tile 16j covers keys 16j .. 16j + 15)
+  for (int64_t key0 = min_lo / kTile * kTile; key0 <= max_pos; key0 += kTile) {
     int ncur = 0, nrows = 0;
     int64_t cur_seq = -1;
     for (int64_t r = 0; r < n; ++r) {
-      if (qv[r].pos < key0) continue;
+      if (qv[r].pos < key0 || qv[r].lo >= key0 + kTile) continue;
       if (!(whole_blocks && qv[r].seq == cur_seq)) {
         const int nb = tile_blocks(c, c.tables + qv[r].seq * c.max_blocks, qv[r].pos, key0, blocks);
         if (nb != ncur || !std::equal(blocks, blocks + nb, cur)) {  // another physical tile: other K/V
@@ -344,9 +362,13 @@ void check_store_args(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k
 // start_pos[s], start_pos[s] + 1, ...; their K/V already stored); groups: seq_order [S] lists the
 // sequences group by group, group_start [G + 1] where each group begins in it (a group's rows are
 // processed together: sequences sharing cached blocks read them once). Returns [T, H, D].
+// window > 0: a row at pos attends to keys pos - window + 1 .. pos only (HF's sliding window);
+// blocks wholly before a sequence's first row's window are never read, so their table entries may
+// be any value. softcap > 0: the scaled scores are soft-capped, softcap * tanh(score / softcap).
 torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos,
-                                   torch::Tensor seq_order, torch::Tensor group_start, double scale) {
+                                   torch::Tensor seq_order, torch::Tensor group_start, double scale,
+                                   int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shape mismatch");
@@ -358,6 +380,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(bs >= 2 && (bs % kTile == 0 || kTile % bs == 0), "block_size must be 2, 4, 8 or a multiple of 16");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
   if (q.stride(2) != 1 || q.stride(1) != D) q = q.contiguous();
   block_tables = block_tables.contiguous();
   query_start = query_start.contiguous();
@@ -377,7 +400,8 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
     if (qs[s + 1] == qs[s]) continue;
     const int64_t last = sp[s] + qs[s + 1] - qs[s] - 1;
     TORCH_CHECK(last < max_blocks * bs, "context length outside the block table");
-    for (int64_t b = 0; b <= last / bs; ++b)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, sp[s] - window + 1) : 0;  // the first row's first key
+    for (int64_t b = first / kTile * kTile / bs; b <= last / bs; ++b)
       TORCH_CHECK(tb[s * max_blocks + b] >= 0 && tb[s * max_blocks + b] < NB, "block table names a block outside the KV pool");
   }
   const int64_t G = group_start.numel() - 1;
@@ -400,7 +424,10 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
     for (int64_t i = gs[g]; i < gs[g + 1]; ++i) {
       const int64_t s = order[i];
       for (int64_t t = qs[s]; t < qs[s + 1]; ++t)
-        for (int64_t k = 0; k < rep; ++k) group_qv[g].push_back({t, k, s, sp[s] + t - qs[s]});
+        for (int64_t k = 0; k < rep; ++k) {
+          const int64_t pos = sp[s] + t - qs[s];
+          group_qv[g].push_back({t, k, s, pos, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0});
+        }
     }
     total += static_cast<int64_t>(group_qv[g].size());
   }
@@ -419,7 +446,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
       const int64_t e = std::min<int64_t>(b + rows_per_item, list.size());
       double cost = 0, max_pos = 0;
       for (int64_t i = b; i < e; ++i) {
-        cost += static_cast<double>(list[i].pos / kTile + 1);
+        cost += static_cast<double>(list[i].pos / kTile - list[i].lo / kTile + 1);
         max_pos = std::max<double>(max_pos, list[i].pos);
       }
       cost += 2.0 * (max_pos / kTile + 1);  // the tiles' walk (block lookups, a gather for small blocks)
@@ -429,7 +456,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   const Ctx ctx{bits(q), q.stride(0), bits(k_cache), bits(v_cache), mutable_bits(out), tb, max_blocks, H, KVH, D, bs,
-                static_cast<float>(scale)};
+                static_cast<float>(scale), static_cast<float>(softcap)};
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -499,7 +526,10 @@ void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
 inline void register_attention(py::module& m) {
   m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
   m.def("store_kv_paged_bf16", &store_kv_paged_bf16, "new tokens' K/V into their slots, in paged_attention_bf16's layout");
-  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache");
+  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
+        py::arg("start_pos"), py::arg("seq_order"), py::arg("group_start"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
 }
 
 #ifndef CS_TIER_COMBINED

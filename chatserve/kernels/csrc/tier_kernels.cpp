@@ -150,7 +150,7 @@ class LayerStack {
       torch::Tensor k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
       cs_attention::store_kv_paged_bf16(k, v, k_cache, v_cache, slot_mapping);
       const torch::Tensor a = cs_attention::paged_attention_bf16(q, k_cache, v_cache, block_tables, query_start,
-                                                                 start_pos, seq_order, group_start, scale_);
+                                                                 start_pos, seq_order, group_start, scale_, 0, 0.0);
       const torch::Tensor o = L.o(a.view({T, H * D}));
       x = cs_fused::add_rms_norm_bf16(o, residual, L.post_norm, eps_);
       h = L.down(cs_fused::silu_mul_bf16(L.gate_up(x)));

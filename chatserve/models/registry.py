@@ -15,6 +15,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
     "Qwen2ForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
     "Qwen3ForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
+    # mixture of experts: the same layers with a routed MLP (layers/moe.py) where ModelConfig.moe says
+    "Qwen3MoeForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
+    "MixtralForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
+    "OlmoeForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
 }
 
 # HF `model_type` -> architecture, for configs that do not list `architectures` (some GGUF files).
@@ -23,6 +27,9 @@ MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

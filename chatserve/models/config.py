@@ -40,7 +40,9 @@ class MoEConfig:
             num_experts, intermediate, renormalize = hf_config.num_local_experts, hf_config.intermediate_size, True
             sparse = frozenset(range(num_layers))
         else:
-            num_experts = hf_config.num_experts
+            # NOTE: transformers 5 saves Qwen3-MoE's and OLMoE's num_experts as num_local_experts (an attribute_map
+            # alias), which a config read back without the model's class (a GGUF metadata folder) knows only by that name
+            num_experts = getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
             intermediate = (getattr(hf_config, "moe_intermediate_size", None) if arch == "Qwen3MoeForCausalLM"
                             else None) or hf_config.intermediate_size
             renormalize = bool(getattr(hf_config, "norm_topk_prob", False))

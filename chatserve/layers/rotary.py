@@ -84,9 +84,15 @@ class QKRotary:
     (no q/k norms, head_dim a multiple of 32), or q/k RMSNorm (Qwen3) then `apply_rotary`."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, qk_norm: tuple[nn.Module, nn.Module] | None,
-                 kernels: CpuKernels | None, rotary_dim: int = 0) -> None:
+                 kernels: CpuKernels | None, rotary_dim: int = 0, qk_norm_full: bool = False,
+                 clip_qkv: float | None = None) -> None:
+        """qk_norm_full: the norms run over the whole q and k projections (OLMoE), not each head;
+        clip_qkv: q, k (after their norms) and v clamped to +-clip_qkv (OLMoE), as transformers does."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_norm = qk_norm
+        self.qk_norm_full, self.clip_qkv = qk_norm_full and qk_norm is not None, clip_qkv
+        if clip_qkv is not None and not self.qk_norm_full:
+            raise ValueError("clip_qkv is implemented for OLMoE's whole-projection q/k norms only")
         fits = qk_norm is None and head_dim % 32 == 0 and rotary_dim in (0, head_dim)
         self._kernel = kernels.rope_inplace if kernels is not None and fits else None
         self._heads = [num_heads, num_kv_heads, num_kv_heads]  # q|k|v heads, as split_with_sizes takes them
@@ -101,6 +107,8 @@ class QKRotary:
             q, k, v = qkv.view(qkv.shape[0], h + 2 * kvh, d).split_with_sizes(self._heads, dim=1)
             return q, k, v
         t = qkv.shape[0]
+        if self.qk_norm_full:
+            return self._full_norm(qkv, cos, sin)
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(t, h + kvh, d)
         if self.qk_norm is not None:
@@ -109,3 +117,16 @@ class QKRotary:
         # q and k rotate together: one set of elementwise ops instead of two
         q, k = apply_rotary(qk, cos, sin).split([h, kvh], dim=1)
         return q, k, v.view(t, kvh, d)
+
+    def _full_norm(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """OLMoE: RMSNorm over all of q and all of k (one weight of H*D / KVH*D values), then the clamp."""
+        assert self.qk_norm is not None
+        h, kvh, d, t = self.num_heads, self.num_kv_heads, self.head_dim, qkv.shape[0]
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k = self.qk_norm[0](q.contiguous()), self.qk_norm[1](k.contiguous())
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        qk = torch.cat((q, k), dim=1).view(t, h + kvh, d)
+        q, k = apply_rotary(qk, cos, sin).split([h, kvh], dim=1)
+        return q, k, v.reshape(t, kvh, d)

@@ -35,7 +35,9 @@ _STRING, _ARRAY = 8, 9
 
 # GGUF architectures we map, and whether transformers un-permutes their q/k (llama.cpp permutes
 # q/k rows of llama-arch models for its rotary layout; qwen2/qwen3 are stored as in HF).
-SUPPORTED_ARCHS = {"llama": True, "qwen2": False, "qwen3": False}
+SUPPORTED_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False, "olmoe": False}
+_QK_NORM_ARCHS = frozenset({"qwen3", "qwen3moe", "olmoe"})  # GGUF / HF model types with q/k norms
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmoe"})
 
 
 class GGUFArray(NamedTuple):
@@ -194,11 +196,15 @@ def gguf_to_hf_names(gguf_arch: str, hf_config: Any, n_layers: int) -> dict[str,
     if arch is None:
         raise ValueError(f"the installed gguf package does not know architecture {gguf_arch!r}; upgrade it (`pip install -U gguf`)")
     table = get_tensor_name_map(arch, n_layers)
-    is_qwen3 = gguf_arch == "qwen3" or getattr(hf_config, "model_type", "") == "qwen3"
+    has_qk_norm = gguf_arch in _QK_NORM_ARCHS or getattr(hf_config, "model_type", "") in _QK_NORM_TYPES
     mapping: dict[str, str] = {}
+    if getattr(hf_config, "model_type", "") in ("qwen3_moe", "mixtral", "olmoe"):  # routers and stacked experts
+        from chatserve.models.gguf_moe import moe_tensor_names
+
+        mapping.update(moe_tensor_names(n_layers))
     for hf_base in _expected_hf_names(hf_config, n_layers):
-        if not is_qwen3 and hf_base.endswith(("q_norm", "k_norm")):
-            continue  # only Qwen3 has q/k norms; transformers skips them elsewhere
+        if not has_qk_norm and hf_base.endswith(("q_norm", "k_norm")):
+            continue  # only Qwen3 (and Qwen3-MoE, OLMoE) have q/k norms; transformers skips them elsewhere
         gguf_base = table.get_name(hf_base)
         if gguf_base is None:
             continue
@@ -244,7 +250,7 @@ _PLAIN_TYPES = frozenset({0, 1, 28, 30})  # F32, F16, F64, BF16: stored as value
 def _keeps_blocks(hf_name: str, info: GGUFTensorInfo, hf_config: Any) -> bool:
     """Whether this tensor can stay in blocks at all: a 2-D matmul weight, or the token embedding of
     a tied model (its rows are then read back from the lm_head's copy)."""
-    if len(info.shape) != 2 or not hf_name.endswith(".weight") or info.ggml_type in _PLAIN_TYPES:
+    if len(info.shape) != (3 if ".experts." in hf_name else 2) or not hf_name.endswith(".weight") or info.ggml_type in _PLAIN_TYPES:
         return False
     if hf_name == "model.embed_tokens.weight":
         return bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -289,6 +295,9 @@ def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype,
         hf_name = names.get(info.name)
         if hf_name is None:
             continue
+        if ".experts." in hf_name:  # llama.cpp stacks a layer's experts in one tensor: one expert at a time
+            yield from _experts(buf, info, hf_name, dtype, info.ggml_type in keep_qtypes and _keeps_blocks(hf_name, info, hf_config))
+            continue
         if info.ggml_type in keep_qtypes and _keeps_blocks(hf_name, info, hf_config):
             yield hf_name, _quantized(buf, info, unpermute, n_head, n_kv_head)
             continue
@@ -316,3 +325,24 @@ def _quantized(buf: mmap.mmap, info: GGUFTensorInfo, unpermute: bool, n_head: An
         raw = _unpermute_qk(raw, int(n_kv_head))
     n, k = info.shape
     return QuantizedTensor(torch.from_numpy(np.array(raw, copy=True)), info.ggml_type, n, k)
+
+
+def _experts(buf: mmap.mmap, info: GGUFTensorInfo, hf_name: str, dtype: torch.dtype, keep: bool) -> Iterator[tuple[str, Any]]:
+    """Each expert of a stacked ``ffn_*_exps`` tensor ([experts, N, K]) under its own HF name: its
+    blocks as a `QuantizedTensor` where `keep`, else de-quantised to `dtype` (one expert at a time)."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from chatserve.layers.quantized_linear import QuantizedTensor
+    from chatserve.models.gguf_moe import EXPERT_PLACEHOLDER
+
+    if len(info.shape) != 3:
+        raise ValueError(f"GGUF tensor {info.name!r} has shape {info.shape}; stacked experts are [experts, rows, cols]")
+    raw = _raw_array(buf, info)
+    _, n, k = info.shape
+    for e in range(info.shape[0]):
+        name = hf_name.replace(EXPERT_PLACEHOLDER, str(e))
+        if keep:
+            yield name, QuantizedTensor(torch.from_numpy(np.array(raw[e], copy=True)), info.ggml_type, n, k)
+        else:
+            weights = dequantize(raw[e], GGMLQuantizationType(info.ggml_type))
+            yield name, torch.from_numpy(np.array(weights, copy=True)).to(dtype)

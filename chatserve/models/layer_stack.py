@@ -49,7 +49,7 @@ def build_layer_stack(model: LlamaFamilyForCausalLM) -> Any | None:
     """The model's layers as a C++ `LayerStack`, or None where some part of a layer is not a tiered
     kernel (the Python layers then run every step). Call after `process_weights`."""
     ops, cfg = model.ops, model.config
-    if ops.cpu is None or not TIERS[ops.cpu.tier].tiered or cfg.qk_norm:
+    if ops.cpu is None or not TIERS[ops.cpu.tier].tiered or cfg.qk_norm or cfg.moe is not None:
         return None
     if any(layer.self_attn.window for layer in model.layers) or cfg.attn_softcap or cfg.rotary_dim:
         return None  # the C++ runner calls plain attention over every key, full-width rotary

@@ -17,6 +17,7 @@ from chatserve.attention.base import AttentionBackend
 from chatserve.forward_batch import ForwardBatch
 from chatserve.layers.activation import GeluTanhAndMul, SiluAndMul
 from chatserve.layers.linear import Linear
+from chatserve.layers.moe import FusedMoE
 from chatserve.layers.norm import RMSNorm
 from chatserve.layers.ops import LayerOps
 from chatserve.layers.quantized_linear import QuantizedTensor
@@ -40,12 +41,12 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops.linear)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops.linear)
         qk_norm = None
-        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim of q and k, before the rotation
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.cpu)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.cpu)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim of q and k, before the rotation (OLMoE: over all of q, k)
+            self.q_norm = RMSNorm(self.q_size if cfg.qk_norm_full else cfg.head_dim, cfg.rms_norm_eps, ops.cpu)
+            self.k_norm = RMSNorm(self.kv_size if cfg.qk_norm_full else cfg.head_dim, cfg.rms_norm_eps, ops.cpu)
             qk_norm = (self.q_norm, self.k_norm)
         self.rotate = QKRotary(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm=qk_norm, kernels=ops.cpu,
-                               rotary_dim=cfg.rotary_dim)
+                               rotary_dim=cfg.rotary_dim, qk_norm_full=cfg.qk_norm_full, clip_qkv=cfg.clip_qkv)
         self.attn: AttentionBackend = ops.attention
         self._qkv_proj, self._o_proj = direct(self.qkv_proj), direct(self.o_proj)
 
@@ -75,7 +76,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
         self.self_attn = Attention(cfg, layer_idx, ops, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
-        self.mlp = MLP(cfg, ops)
+        moe = cfg.moe
+        if moe is not None and layer_idx in moe.sparse_layers:  # a mixture-of-experts layer (layers/moe.py)
+            self.mlp: nn.Module = FusedMoE(cfg.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                           moe.renormalize, ops.linear, ops.cpu)
+        else:
+            self.mlp = MLP(cfg, ops)
         self._input_norm, self._input_add_norm = direct(self.input_layernorm), self.input_layernorm.add_and_norm
         self._self_attn, self._post_add_norm = direct(self.self_attn), self.post_attention_layernorm.add_and_norm
         self._mlp = direct(self.mlp)
@@ -243,6 +249,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # tied: some checkpoints still store a copy
+            if cfg.moe is not None:
+                name = _moe_name(name)
             shard = None
             for frag, (merged, idx) in _STACKED.items():
                 if f".{frag}." in name:
@@ -261,7 +269,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 else:
                     start = 0
                     if shard is not None:
-                        sizes = qkv_sizes if "qkv_proj" in name else [cfg.intermediate_size] * 2
+                        sizes = qkv_sizes if "qkv_proj" in name else [param.shape[0] // 2] * 2
                         start = sum(sizes[:shard])
                         if tensor.n != sizes[shard]:
                             raise ValueError(f"weight {hf_name!r} has shape {tensor.shape}, expected ({sizes[shard]}, {tensor.k})")
@@ -277,7 +285,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                     _copy(param, tensor, hf_name)
                     filled.add(name)
                 else:
-                    sizes = qkv_sizes if "qkv_proj" in name else [cfg.intermediate_size] * 2
+                    sizes = qkv_sizes if "qkv_proj" in name else [param.shape[0] // 2] * 2
                     start = sum(sizes[:shard])
                     _copy(param.narrow(0, start, sizes[shard]), tensor, hf_name)
                     filled.add(f"{name}#{shard}")
@@ -293,6 +301,22 @@ class LlamaFamilyForCausalLM(nn.Module):
                 missing.append(name)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+# Mixtral's expert names -> Qwen3-MoE / OLMoE's (which FusedMoE's parameters follow)
+_MIXTRAL_EXPERT = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def _moe_name(name: str) -> str:
+    """A MoE checkpoint's name in our module's terms: Mixtral's ``block_sparse_moe.experts.{e}.w1``
+    is ``mlp.experts.{e}.gate_proj`` (w3: up, w2: down), its router ``block_sparse_moe.gate`` is ``mlp.gate``."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for old, new in _MIXTRAL_EXPERT.items():
+        if old in name:
+            return name.replace(old, new)
+    return name
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

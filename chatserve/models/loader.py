@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from chatserve.models.config import ModelConfig
+from chatserve.models.gguf_moe import gguf_moe_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def load_hf_config(source: ModelSource) -> Any:
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         kwargs["gguf_file"] = source.gguf_file
-    return AutoConfig.from_pretrained(source.folder, **kwargs)
+    with gguf_moe_metadata() if source.is_gguf else contextlib.nullcontext():
+        return AutoConfig.from_pretrained(source.folder, **kwargs)
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -109,7 +111,8 @@ def load_tokenizer(source: ModelSource) -> Any:
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         kwargs["gguf_file"] = source.gguf_file
-    return AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    with gguf_moe_metadata() if source.is_gguf else contextlib.nullcontext():
+        return AutoTokenizer.from_pretrained(source.folder, **kwargs)
 
 
 def saved_metadata_config(folder: str) -> Any:
@@ -209,7 +212,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": source.gguf_file}
-    with _gguf_metadata_parsed_once():
+    with gguf_moe_metadata(), _gguf_metadata_parsed_once():  # MoE files: configs transformers misreads (gguf_moe.py)
         config = AutoConfig.from_pretrained(source.folder, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     try:

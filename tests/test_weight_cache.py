@@ -45,8 +45,17 @@ def tiny(tmp_path_factory, default_gguf) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_config(tiny):
-    """Read once: a copy of the file (or the file touched) then loads without converting its metadata again."""
-    return load_hf_config(resolve_model(tiny))
+    """The tiny file's architecture, stated here rather than converted from its metadata by transformers
+    (which parses the 49k-token vocabulary: tens of seconds on a busy 2-core host). Every load in this
+    module gets the same config, so cold and warm loads differ only by the cache."""
+    from transformers import LlamaConfig
+
+    from .helpers.tiny_gguf import FF, HEAD_DIM, HEADS, KV_HEADS, LAYERS, H
+
+    return LlamaConfig(vocab_size=49152, hidden_size=H, intermediate_size=FF, num_hidden_layers=LAYERS,
+                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                       max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                       architectures=["LlamaForCausalLM"])
 
 
 def _runner(path: Path, hf_config, cache_dir: Path | None, tier: str | None, quantization: str = "auto") -> ModelRunner:
@@ -228,17 +237,21 @@ def _patch(path: Path, at: int, data: bytes) -> None:
         f.write(data)
 
 
-@pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_entry_is_rebuilt_not_used(damage, tiny, hf_config, tmp_path):
-    """(Damaged in place here, on purpose: the cache itself never writes into an entry, it renames a new
-    file over it, so a process that maps the old one keeps its bytes.)"""
+def test_a_damaged_entry_is_rebuilt_not_used(tiny, hf_config, tmp_path):
+    """Each damage in turn, on the same entry put back whole before each. (Damaged in place here, on
+    purpose: the cache itself never writes into an entry, it renames a new file over it, so a process
+    that maps the old one keeps its bytes.)"""
     tier = _best_tier()
+    cold = _runner(tiny, hf_config, None, tier)
     entry = _runner(tiny, hf_config, tmp_path, tier).weight_cache.path
-    damage_fn, reason = DAMAGE[damage]
-    damage_fn(entry)
-    again = _runner(tiny, hf_config, tmp_path, tier)
-    assert again.weight_cache.status == "built" and reason in again.weight_cache.reason, again.weight_cache
-    _assert_same_weights(_runner(tiny, hf_config, None, tier), again)
+    whole = entry.read_bytes()
+    for damage, (damage_fn, reason) in DAMAGE.items():
+        entry.write_bytes(whole)
+        damage_fn(entry)
+        again = _runner(tiny, hf_config, tmp_path, tier)
+        assert again.weight_cache.status == "built" and reason in again.weight_cache.reason, (damage, again.weight_cache)
+        _assert_same_weights(cold, again)
+        assert entry.read_bytes() == whole, damage  # rebuilt as it was
     assert _runner(tiny, hf_config, tmp_path, tier).weight_cache.status == "hit"
 
 
@@ -276,12 +289,13 @@ def _outputs(outputs) -> tuple[list, list]:
             [[c[t].logprob for c, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs])
 
 
-def test_two_processes_starting_together_build_once_and_answer_as_a_cold_load(tiny, hf_config, tmp_path):
-    cold = LLM(model=str(tiny), weight_cache=False, max_model_len=64, num_kv_blocks=16)
+def test_two_processes_starting_together_build_once_and_answer_as_a_cold_load(default_gguf, tmp_path):
+    """On the default model (its metadata is converted once per test session, and every process reads it)."""
+    cold = LLM(model=str(default_gguf), weight_cache=False, max_model_len=64, num_kv_blocks=16)
     expected_tokens, expected_logprobs = _outputs(cold.generate(PROMPTS, GREEDY))
     cache = tmp_path / "cache"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _START, str(tiny), str(cache), json.dumps(PROMPTS)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", _START, str(default_gguf), str(cache), json.dumps(PROMPTS)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = []
     for p in procs:
@@ -293,7 +307,7 @@ def test_two_processes_starting_together_build_once_and_answer_as_a_cold_load(ti
         assert r["tokens"] == expected_tokens
         assert r["logprobs"] == expected_logprobs  # the same bits: the same weights, the same kernels
     assert len(list(cache.glob(f"*{ENTRY_SUFFIX}"))) == 1 and not list(cache.glob(".*.tmp"))
-    warm = LLM(model=str(tiny), weight_cache_dir=str(cache), max_model_len=64, num_kv_blocks=16)
+    warm = LLM(model=str(default_gguf), weight_cache_dir=str(cache), max_model_len=64, num_kv_blocks=16)
     assert warm.engine.runner.weight_cache.status == "hit"
     assert _outputs(warm.generate(PROMPTS, GREEDY)) == (expected_tokens, expected_logprobs)
 

@@ -283,12 +283,15 @@ def _align(n: int, to: int) -> int:
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy() if flat.numel() else bytearray())
+    if not flat.numel():
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def write_entry(path: Path, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
     """Write the entry to a temporary file beside `path` and rename it into place (the caller holds the lock)."""
-    records, offset = [], 0
+    records: list[dict[str, Any]] = []
+    offset = 0
     for t in tensors:
         data = _tensor_bytes(t)
         records.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset,

@@ -70,6 +70,7 @@ class KVTiering:
         self.num_loaded_blocks = 0
         self.num_lost_loads = 0  # lookups whose blocks the tree could not take (prefix evicted meanwhile, no room)
         self.load_seconds = 0.0
+        self._closed = False
         logger.info("KV tiers below the radix tree: %s (%s, fingerprint %s)", ", ".join(t.name for t in tiers),
                     self.policy, fingerprint.hex[:16])
 
@@ -206,7 +207,11 @@ class KVTiering:
         }
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write back what the tree holds (write-back policy), finish the queued writes, stop the threads."""
+        """Write back what the tree holds (write-back policy), finish the queued writes, stop the threads.
+        Idempotent; later writes are dropped (counted)."""
+        if self._closed:
+            return
+        self._closed = True
         t0 = time.perf_counter()
         if self.policy == "write_back":
             self.flush_tree()

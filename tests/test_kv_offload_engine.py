@@ -321,6 +321,7 @@ def test_events_sessions_and_metrics_see_the_tiers(tiny, tmp_path, engines) -> N
 
     ids = _prompt(11)
     a = _make(engines, tiny, kv_offload_dir=str(tmp_path))  # write-back: only the session's lease writes through
+    a.engine.kv_tiering.record_events = True  # (what --kv-events-endpoint turns on; drained below instead of published)
     a.engine.add_request("s-turn", {"prompt_token_ids": ids}, GREEDY, session=SessionKV("sess-1", lease_seconds=60))
     while a.engine.has_unfinished_requests():
         a.engine.step()

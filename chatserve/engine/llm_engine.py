@@ -11,6 +11,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,6 +149,7 @@ class LLMEngine:
                                           kv_events=self.kv_event_log, tier_observer=self.kv_tiering)
         if self.kv_tiering is not None:
             self.kv_tiering.block_manager = self.block_manager
+            self.kv_tiering.record_events = self.kv_event_log is not None  # (BlockStored with medium DISK / REDIS)
         # Speculative decoding (--speculative-config): drafts proposed per step, verified in the forward.
         self.speculative_config = parse_speculative_config(args.speculative_config)
         self.spec: SpecProposer | None = None
@@ -194,8 +196,12 @@ class LLMEngine:
         else:
             files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + [folder / "config.json"]
         cfg = self.model_config
+        memo = None
+        if self.args.kv_offload_dir:
+            os.makedirs(self.args.kv_offload_dir, exist_ok=True)
+            memo = os.path.join(self.args.kv_offload_dir, "model-hashes.json")
         return KVFingerprint(
-            model_hash=hash_model_files(f for f in files if f.is_file()),
+            model_hash=hash_model_files((f for f in files if f.is_file()), memo_path=memo),
             dtype=str(self.dtype).removeprefix("torch."), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, block_size=self.args.block_size, kv_layout=ops.attention.name,
             kernels=f"{ops.describe()}; quantization={self.args.quantization}", device_type=self.device.type,

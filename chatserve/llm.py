@@ -36,6 +36,18 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's background threads; with the KV tiers on (``kv_offload_dir`` /
+        ``kv_offload_redis_url``) and the write-back policy, this is when the tree's blocks are written
+        down, so the next process starts warm. Also ``with LLM(...) as llm:``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -278,6 +278,32 @@ def test_abort_during_a_load_frees_everything(tiny, tmp_path, engines) -> None:
     assert e.block_manager.cache.stats().evictable >= _full_blocks(ids) // BS, "the loaded blocks stay cached"
 
 
+def test_a_burst_after_a_restart_reads_the_prefix_once(tiny, tmp_path, engines, cold) -> None:
+    ids = _prompt(12)
+    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through")
+    _run(a, ids)
+    a.engine.close()
+    engines.remove(a)
+    b = _make(engines, tiny, kv_offload_dir=str(tmp_path), max_num_seqs=1)  # (one at a time: outputs comparable bit for bit)
+    e = b.engine
+    for i in range(4):
+        e.add_request(f"r{i}", {"prompt_token_ids": ids}, GREEDY)
+    assert e.kv_tiering.num_lookups == 1, "followers share the leader's lookup"
+    e.abort_request("r0")  # the leader goes: r1 takes its lookup over
+    outs = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert sorted(outs) == ["r1", "r2", "r3"] and e.kv_tiering.num_lookups == 1
+    for out in outs.values():
+        c = out.outputs[0]
+        assert out.num_cached_tokens == _full_blocks(ids)
+        assert (list(c.token_ids), [{t: lp.logprob for t, lp in x.items()} for x in c.logprobs]) == cold(12)
+    assert outs["r1"].stats.num_disk_cached_tokens == _full_blocks(ids)
+    _assert_idle_and_whole(b)
+
+
 def test_a_full_write_queue_drops_writes_and_counts_them(tiny, tmp_path, engines, cold) -> None:
     a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through",
               kv_offload_queue_mb=0.001)  # smaller than one block: every write is dropped
@@ -295,6 +321,7 @@ def test_events_sessions_and_metrics_see_the_tiers(tiny, tmp_path, engines) -> N
 
     ids = _prompt(11)
     a = _make(engines, tiny, kv_offload_dir=str(tmp_path))  # write-back: only the session's lease writes through
+    a.engine.kv_tiering.record_events = True  # (what --kv-events-endpoint turns on; drained below instead of published)
     a.engine.add_request("s-turn", {"prompt_token_ids": ids}, GREEDY, session=SessionKV("sess-1", lease_seconds=60))
     while a.engine.has_unfinished_requests():
         a.engine.step()

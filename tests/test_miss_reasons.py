@@ -131,7 +131,8 @@ def test_http_usage_reports_each_reason_and_metrics_count_them(server):
     assert u["chatserve"]["miss_reason"] == "new" and u["chatserve"]["matched_tokens"] == 0
     u = _complete(server, seen)
     assert u["chatserve"] == {"matched_tokens": 192, "miss_reason": "none", "diverged_at": None, "lease_hit": False,
-                              "session_history_matched": None}
+                              "session_history_matched": None,
+                              "tiers": {"memory": 192, "disk": 0, "redis": 0, "tier_miss_reason": None}}
     assert u["prompt_tokens_details"]["cached_tokens"] == 192
     u = _complete(server, seen[:90] + toks(8, 103))
     assert (u["chatserve"]["miss_reason"], u["chatserve"]["diverged_at"], u["chatserve"]["matched_tokens"]) == (

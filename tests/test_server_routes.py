@@ -208,7 +208,8 @@ async def test_chat_reply_shape_usage_and_n(engine) -> None:
                              "prompt_tokens_details": {"cached_tokens": 0},
                              # our extension, always there (the fake engine never admits through a cache)
                              "chatserve": {"matched_tokens": 0, "miss_reason": "new", "diverged_at": None,
-                                           "lease_hit": False, "session_history_matched": None}}
+                                           "lease_hit": False, "session_history_matched": None,
+                                           "tiers": {"memory": 0, "disk": 0, "redis": 0, "tier_miss_reason": None}}}
 
 
 async def test_chat_stream_framing_without_and_with_usage(engine) -> None:

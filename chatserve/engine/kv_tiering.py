@@ -66,10 +66,14 @@ class KVTiering:
         self.store = KVOffloadStore(tiers, self.fp, payload_bytes, max_queue_bytes=int(args.kv_offload_queue_mb * (1 << 20)))
         self._loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-load")
         self.block_manager: BlockManager | None = None  # set by the engine once built
+        # NOTE: True only when someone drains stored_events() (the engine's KV event log is on): otherwise
+        # the writer would keep a record of every block it ever stored.
+        self.record_events = False
         self.num_lookups = 0
         self.num_loaded_blocks = 0
         self.num_lost_loads = 0  # lookups whose blocks the tree could not take (prefix evicted meanwhile, no room)
         self.load_seconds = 0.0
+        self._closed = False
         logger.info("KV tiers below the radix tree: %s (%s, fingerprint %s)", ", ".join(t.name for t in tiers),
                     self.policy, fingerprint.hex[:16])
 
@@ -102,11 +106,11 @@ class KVTiering:
         if not todo:
             return
         payloads = self.runner.read_kv_blocks([b for _, b in todo])
-        hashes = event_hashes(path_tokens, bs, end)
+        hashes = event_hashes(path_tokens, bs, end) if self.record_events else []
         jobs = []
         for (i, _), payload in zip(todo, payloads):
             tokens = tuple(path_tokens[i * bs : (i + 1) * bs])
-            event = (hashes[i], hashes[i - 1] if i > 0 else None, tokens)
+            event = (hashes[i], hashes[i - 1] if i > 0 else None, tokens) if hashes else None
             jobs.append(WriteJob(self.store.name_of(keys[i]), keys[i], tokens, payload, event))
         self.store.submit(jobs)
 
@@ -206,7 +210,11 @@ class KVTiering:
         }
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write back what the tree holds (write-back policy), finish the queued writes, stop the threads."""
+        """Write back what the tree holds (write-back policy), finish the queued writes, stop the threads.
+        Idempotent; later writes are dropped (counted)."""
+        if self._closed:
+            return
+        self._closed = True
         t0 = time.perf_counter()
         if self.policy == "write_back":
             self.flush_tree()

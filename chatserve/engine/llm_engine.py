@@ -11,6 +11,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ class Request:
     # Set while the request waits for a lookup in the KV tiers below the tree (disk, Redis); its
     # sequences join the scheduler once it lands (engine/kv_tiering.py). Same callback contract.
     kv_load_future: concurrent.futures.Future | None = None
+    # Another waiting request's lookup covers this prompt's next block (a burst after a restart): this one
+    # shares that future instead of reading the same blocks again, and looks again once it lands.
+    kv_follows: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,6 +156,7 @@ class LLMEngine:
                                           kv_events=self.kv_event_log, tier_observer=self.kv_tiering)
         if self.kv_tiering is not None:
             self.kv_tiering.block_manager = self.block_manager
+            self.kv_tiering.record_events = self.kv_event_log is not None  # (BlockStored with medium DISK / REDIS)
         # Speculative decoding (--speculative-config): drafts proposed per step, verified in the forward.
         self.speculative_config = parse_speculative_config(args.speculative_config)
         self.spec: SpecProposer | None = None
@@ -198,8 +203,12 @@ class LLMEngine:
         else:
             files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + [folder / "config.json"]
         cfg = self.model_config
+        memo = None
+        if self.args.kv_offload_dir:
+            os.makedirs(self.args.kv_offload_dir, exist_ok=True)
+            memo = os.path.join(self.args.kv_offload_dir, "model-hashes.json")
         return KVFingerprint(
-            model_hash=hash_model_files(f for f in files if f.is_file()),
+            model_hash=hash_model_files((f for f in files if f.is_file()), memo_path=memo),
             dtype=str(self.dtype).removeprefix("torch."), num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, block_size=self.args.block_size, kv_layout=ops.attention.name,
             kernels=f"{ops.describe()}; quantization={self.args.quantization}", device_type=self.device.type,
@@ -329,13 +338,26 @@ class LLMEngine:
             prompt = req.prompt_token_ids
             held = self.block_manager.cache.peek_prefix(prompt[:-1])
             if tiers.wants_lookup(prompt, held):
-                req.kv_load_future = tiers.submit_lookup(prompt, held)
+                leader = self._kv_lookup_covering(prompt, held)
+                if leader is not None:
+                    req.kv_load_future, req.kv_follows = leader.kv_load_future, leader.request_id
+                else:
+                    req.kv_load_future = tiers.submit_lookup(prompt, held)
+                    if self.kv_lookup_started is not None:
+                        self.kv_lookup_started(req.kv_load_future)
                 self.waiting_for_kv[req.request_id] = req
-                if self.kv_lookup_started is not None:
-                    self.kv_lookup_started(req.kv_load_future)
                 return
         for seq in req.seqs:
             self.scheduler.add(seq)
+
+    def _kv_lookup_covering(self, prompt: list[int], held: int) -> Request | None:
+        """A request whose lookup in flight reads this prompt's first block past the tree (same tokens so far)."""
+        end = (held // self.block_manager.block_size + 1) * self.block_manager.block_size
+        head = prompt[:end]
+        for other in self.waiting_for_kv.values():
+            if other.kv_follows is None and len(other.prompt_token_ids) > end and other.prompt_token_ids[:end] == head:
+                return other
+        return None
 
     @property
     def num_waiting_for_kv(self) -> int:
@@ -344,13 +366,17 @@ class LLMEngine:
     def _admit_loaded_kv(self) -> None:
         """Requests whose tier lookup landed: their blocks into the tree, their sequences to the scheduler."""
         assert self.kv_tiering is not None
-        for request_id, req in list(self.waiting_for_kv.items()):
+        landed = [r for r in self.waiting_for_kv.values() if r.kv_load_future is not None and r.kv_load_future.done()]
+        # NOTE: leaders first: a follower looks at the tree again once its leader's blocks are in it
+        for req in sorted(landed, key=lambda r: r.kv_follows is not None):
             future = req.kv_load_future
             assert future is not None
-            if not future.done():
-                continue
-            del self.waiting_for_kv[request_id]
+            del self.waiting_for_kv[req.request_id]
             req.kv_load_future = None
+            if req.kv_follows is not None:
+                req.kv_follows = None
+                self._to_scheduler(req)  # (may look up what its own prompt has past the leader's)
+                continue
             lookup: KVLookup = future.result()  # (_lookup catches its own errors)
             self.kv_tiering.adopt(req.seqs, req.prompt_token_ids, lookup)
             for seq in req.seqs:
@@ -391,7 +417,15 @@ class LLMEngine:
             return None
         self.waiting_for_grammar.pop(request_id, None)  # its compile finishes and is cached; nothing waits on it
         if self.waiting_for_kv.pop(request_id, None) is not None and req.kv_load_future is not None:
-            req.kv_load_future.cancel()  # NOTE: a lookup holds no block; what it read is dropped with it
+            # NOTE: a lookup holds no block; what it read is dropped with it. Followers sharing the future
+            # look again when it ends (cancelled or not).
+            followers = [r for r in self.waiting_for_kv.values() if r.kv_follows == request_id]
+            if req.kv_follows is None and not followers:
+                req.kv_load_future.cancel()
+            elif followers:  # the first follower takes the lookup over (it adopts what it reads)
+                followers[0].kv_follows = None
+                for r in followers[1:]:
+                    r.kv_follows = followers[0].request_id
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"

@@ -12,6 +12,7 @@ entry's header (so an entry copied or renamed into the wrong place is still refu
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -24,16 +25,39 @@ FORMAT_VERSION = 1
 """Bumped whenever the entry format or the meaning of a field changes: old entries become foreign."""
 
 
-def hash_model_files(paths: Iterable[str | os.PathLike]) -> str:
-    """A content hash of the model's files (weights, config, tokenizer), streamed: xxh3-128 reads a
-    few GB/s, so a 140 MB GGUF costs tens of milliseconds at engine start, once."""
+def hash_model_files(paths: Iterable[str | os.PathLike], memo_path: str | None = None) -> str:
+    """A content hash of the model's files (weights, config), streamed: xxh3-128 runs at memory speed,
+    so a 140 MB GGUF costs tens of milliseconds. ``memo_path``: a JSON file remembering the hash by
+    (path, size, mtime), so a many-GB checkpoint is read once, not at every start (a file rewritten in
+    place gets a new mtime, hence a new hash)."""
+    files = sorted(os.path.realpath(p) for p in paths)
+    stamp = "|".join(f"{p}:{(st := os.stat(p)).st_size}:{st.st_mtime_ns}" for p in files)
+    memo: dict[str, str] = {}
+    if memo_path is not None:
+        try:
+            with open(memo_path) as f:
+                memo = json.load(f)
+            if stamp in memo:
+                return memo[stamp]
+        except (OSError, ValueError):
+            memo = {}
     h = xxhash.xxh3_128()
-    for path in sorted(str(p) for p in paths):
+    for path in files:
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if memo_path is not None:
+        memo[stamp] = digest
+        tmp = f"{memo_path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(dict(list(memo.items())[-64:]), f)
+            os.replace(tmp, memo_path)
+        except OSError:
+            pass  # a memo we cannot write only costs the next start a re-read
+    return digest
 
 
 @dataclass(frozen=True)

@@ -65,12 +65,12 @@ class RedisTier(Tier):
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def _failed(self, what: str, exc: Exception) -> None:
+    def _failed(self, what: str, exc: Exception) -> None:  # (logs the URL without its password)
         with self._lock:
             first = self.available()
             self._down_until = time.monotonic() + self.retry_after_s
         if first:
-            logger.warning("KV Redis tier %s: %s failed (%s); skipping Redis for %.0fs", self.url, what, exc,
+            logger.warning("KV Redis tier %s: %s failed (%s); skipping Redis for %.0fs", _without_password(self.url), what, exc,
                            self.retry_after_s)
 
     def get_run(self, names: Sequence[str]) -> list[bytes]:
@@ -172,7 +172,7 @@ class RedisTier(Tier):
             self._failed("a delete", exc)
 
     def describe(self) -> dict[str, object]:
-        return {"url": self.url, "prefix": self.prefix, "ttl_s": self.ttl_ms / 1000, "max_bytes": self.max_bytes,
+        return {"url": _without_password(self.url), "prefix": self.prefix, "ttl_s": self.ttl_ms / 1000, "max_bytes": self.max_bytes,
                 "available": self.available(), "evicted": self.num_evicted}
 
     def close(self) -> None:
@@ -180,3 +180,14 @@ class RedisTier(Tier):
             self.client.close()
         except _ERRORS:
             pass
+
+
+def _without_password(url: str) -> str:
+    """The URL as stats and logs may show it: ``redis://user:***@host``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

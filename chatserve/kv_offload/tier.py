@@ -22,7 +22,7 @@ class Tier(ABC):
     read_errors: int = 0
 
     @abstractmethod
-    def get_run(self, names: Sequence[str]) -> list[bytes]:
+    def get_run(self, names: Sequence[str]) -> list[bytes] | list[bytearray]:
         """The values of the longest run of leading ``names`` present (refreshing their LRU/TTL)."""
 
     @abstractmethod

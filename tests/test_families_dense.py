@@ -220,3 +220,97 @@ def test_prefix_cache_reuse_across_window(name, dtype, family_checkpoint, smollm
     assert reused.num_cached_tokens >= 4 * WINDOW
     cold = LLM(model=folder, dtype=dtype, max_model_len=256, enable_prefix_caching=False)
     assert reused.outputs[0].token_ids == cold.generate({"prompt_token_ids": longer}, params)[0].outputs[0].token_ids
+
+
+# ---- KV blocks past every layer's window ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("bfloat16", 16)])
+def test_blocks_outside_every_window_are_freed(dtype, block_size, family_checkpoint, smollm_tokenizer):
+    """Phi-3 windows every layer: without the prefix cache, the blocks its window has passed go
+    back to the pool as the sequence runs, and the tokens are those of an engine that keeps them."""
+    folder = str(family_checkpoint("phi3"))
+    ids = prompt_ids(len(smollm_tokenizer), 5 * WINDOW)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * WINDOW, ignore_eos=True)
+    keeps = LLM(model=folder, dtype=dtype, max_model_len=256, block_size=block_size)  # prefix cache on: nothing freed
+    frees = LLM(model=folder, dtype=dtype, max_model_len=256, block_size=block_size, enable_prefix_caching=False,
+                max_num_batched_tokens=32)  # chunked prefill: blocks freed between chunks too
+    assert keeps.engine.kv_free_window == 0 and frees.engine.kv_free_window == WINDOW
+    expected = keeps.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    bm = frees.engine.block_manager
+    got = frees.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:40]}], params)
+    assert got[0].outputs[0].token_ids == expected
+    total = len(ids) + 3 * WINDOW
+    # all but the blocks of the last window (and its 16-key tile) went free while it ran
+    assert bm.num_window_freed_blocks >= (total - 2 * WINDOW - 16) // block_size
+    frees.engine.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks  # nothing leaked, nothing freed twice
+    assert keeps.engine.block_manager.num_window_freed_blocks == 0
+
+
+# ---- GGUF files named as llama.cpp's converter names them -------------------------------------
+
+Q8_0 = 8
+
+
+@pytest.fixture(scope="module")
+def family_gguf(tmp_path_factory, hf_models, default_gguf):
+    from .helpers.tiny_families import write_family_gguf
+
+    made = {}
+
+    def make(name: str, qtype: int):
+        if (name, qtype) not in made:
+            path = tmp_path_factory.mktemp(f"gguf-{name}-{qtype}") / f"{name}.gguf"
+            made[name, qtype] = write_family_gguf(path, name, hf_models(name), str(default_gguf), qtype)
+        return made[name, qtype]
+
+    return make
+
+
+def test_gguf_tensor_names_and_keys(family_gguf):
+    """The files carry llama.cpp's names: Phi-3's fused attn_qkv and ffn_up (gate|up), long-rope
+    factors as tensors; Gemma 2's four norms a layer and its soft-cap keys."""
+    import mmap
+
+    from chatserve.models.gguf import read_gguf_header
+
+    def header(path):
+        with open(path, "rb") as f:
+            return read_gguf_header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+    phi3 = header(family_gguf("phi3", Q8_0))
+    shapes = {t.name: t.shape for t in phi3.tensors}
+    assert shapes["blk.0.attn_qkv.weight"] == (128 + 2 * 64, 128) and shapes["blk.0.ffn_up.weight"] == (256, 128)
+    assert "rope_factors_long.weight" in shapes and phi3.metadata["phi3.attention.sliding_window"] == WINDOW
+    gemma2 = header(family_gguf("gemma2", Q8_0))
+    names = {t.name for t in gemma2.tensors}
+    assert {f"blk.1.{n}.weight" for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")} <= names
+    assert gemma2.metadata["gemma2.attn_logit_softcapping"] == 4.0
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_gguf_f32_greedy_matches_transformers(name, family_gguf, hf_models, smollm_tokenizer):
+    """From a float32 GGUF (the values unquantized), the same tokens as transformers on the source
+    weights: names, the 1 + w norms, the fused splits and the metadata the config is completed from."""
+    ids = prompt_ids(len(smollm_tokenizer))
+    llm = LLM(model=str(family_gguf(name, 0)), dtype="float32", max_model_len=256)
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
+    assert out.token_ids == hf_greedy(hf_models(name), ids, NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_gguf_q8_0_logprob_drift(name, family_gguf, hf_models, smollm_tokenizer):
+    """Q8_0 blocks through the quantized kernels (bf16): our tokens' logprobs within 3x
+    transformers' own bf16 drift plus 0.1 of its float32 ones (Q8_0 weights, int8 activations)."""
+    ids = prompt_ids(len(smollm_tokenizer))
+    llm = LLM(model=str(family_gguf(name, Q8_0)), dtype="bfloat16", max_model_len=256)
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
+    model = hf_models(name)
+    ours = [e[t].logprob for e, t in zip(out.logprobs, out.token_ids)]
+    theirs = hf_logprobs_of(model, ids, out.token_ids)
+    hf_bf16 = hf_logprobs_of(copy.deepcopy(model).to(torch.bfloat16), ids, out.token_ids)
+    their_drift = max(abs(a - b) for a, b in zip(hf_bf16, theirs))
+    drift = max(abs(a - b) for a, b in zip(ours, theirs))
+    assert drift <= 3 * their_drift + 0.1, (name, drift, their_drift)
+

@@ -96,7 +96,10 @@ def load_hf_config(source: ModelSource) -> Any:
         return saved_metadata_config(folder)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
+        from chatserve.models.gguf_families import complete_gguf_config
+
         kwargs["gguf_file"] = source.gguf_file
+        return complete_gguf_config(AutoConfig.from_pretrained(source.folder, **kwargs), os.path.join(source.folder, source.gguf_file))
     return AutoConfig.from_pretrained(source.folder, **kwargs)
 
 
@@ -209,8 +212,10 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": source.gguf_file}
+    from chatserve.models.gguf_families import complete_gguf_config
+
     with _gguf_metadata_parsed_once():
-        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+        config = complete_gguf_config(AutoConfig.from_pretrained(source.folder, **kwargs), str(path))
         tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     try:
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))

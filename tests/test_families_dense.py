@@ -66,6 +66,24 @@ def hf_logprobs_of(model, ids: list[int], continuation: list[int]) -> list[float
 
 
 @pytest.fixture(scope="module")
+def engine(family_checkpoint):
+    """One engine per (family, dtype, kernel tier), shared by the module's tests (a load costs more
+    than a test): tests that need a cold prefix cache reset it."""
+    made = {}
+
+    def get(name: str, dtype: str, tier: str = "auto"):
+        key = (name, dtype, tier)
+        if key not in made:
+            made[key] = LLM(model=str(family_checkpoint(name)), dtype=dtype, max_model_len=256, block_size=16,
+                            cpu_kernel_tier=tier)
+        llm = made[key]
+        assert llm.engine.reset_prefix_cache()
+        return llm
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def hf_models(smollm_tokenizer):
     made = {}
 
@@ -82,10 +100,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_greedy_matches_transformers_fp32(name, family_checkpoint, hf_models, smollm_tokenizer):
-    folder = family_checkpoint(name)
+def test_greedy_matches_transformers_fp32(name, engine, hf_models, smollm_tokenizer):
     ids = prompt_ids(len(smollm_tokenizer))
-    llm = LLM(model=str(folder), dtype="float32", max_model_len=256, block_size=16)
+    llm = engine(name, "float32")
     out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
     theirs, their_lps = hf_greedy(hf_models(name), ids, NEW_TOKENS)
     assert out.token_ids == theirs
@@ -180,16 +197,18 @@ def test_cpu_paged_attention_window_softcap(kernels, block_size, window, softcap
 # ---- bf16: the C++ kernels of each tier --------------------------------------------------------
 
 
-@pytest.mark.parametrize("tier", KERNEL_TIERS or ["none"])
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
-def test_bf16_logprob_drift(name, tier, family_checkpoint, hf_models, smollm_tokenizer):
-    """bf16 on each kernel tier: our tokens' logprobs within a bound of transformers' float32 ones
+BF16_CASES = [("gemma2", t) for t in KERNEL_TIERS or ["none"]] + [(n, "auto") for n in ("gemma3", "phi3") if KERNEL_TIERS]
+
+
+@pytest.mark.parametrize("name,tier", BF16_CASES)
+def test_bf16_logprob_drift(name, tier, engine, hf_models, smollm_tokenizer):
+    """bf16 on each kernel tier (Gemma 2; the others on the host's): our tokens' logprobs within a bound of transformers' float32 ones
     on the same tokens (teacher-forced, so a near-tie that flips does not end the comparison): no
     further than transformers' own bf16 model is, plus 0.1."""
     if tier == "none":
         pytest.skip("no kernel tier on this CPU")
     ids = prompt_ids(len(smollm_tokenizer))
-    llm = LLM(model=str(family_checkpoint(name)), dtype="bfloat16", max_model_len=256, cpu_kernel_tier=tier)
+    llm = engine(name, "bfloat16", tier)
     assert llm.engine.runner.attention_backend.name == "cpu"
     out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
     ours = [e[t].logprob for e, t in zip(out.logprobs, out.token_ids)]
@@ -206,33 +225,34 @@ def test_bf16_logprob_drift(name, tier, family_checkpoint, hf_models, smollm_tok
 # ---- the prefix cache across the window ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["gemma2", "phi3"])
-def test_prefix_cache_reuse_across_window(name, dtype, family_checkpoint, smollm_tokenizer):
-    """A prompt sharing a cached prefix several windows long gives the tokens of a cold run."""
-    folder = str(family_checkpoint(name))
+@pytest.mark.parametrize("name,dtype", [("gemma2", "float32"), ("gemma2", "bfloat16"), ("phi3", "bfloat16")])
+def test_prefix_cache_reuse_across_window(name, dtype, engine, smollm_tokenizer):
+    """A prompt sharing a cached prefix several windows long gives the tokens of a cold run
+    (windowed layers read only the prefix's last window, global ones all of it)."""
     base = prompt_ids(len(smollm_tokenizer), 4 * WINDOW + 5)
     longer = base + prompt_ids(len(smollm_tokenizer), 2 * WINDOW + 3, seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    warm = LLM(model=folder, dtype=dtype, max_model_len=256)
-    warm.generate({"prompt_token_ids": base}, params)
-    reused = warm.generate({"prompt_token_ids": longer}, params)[0]
+    llm = engine(name, dtype)
+    llm.generate({"prompt_token_ids": base}, params)
+    reused = llm.generate({"prompt_token_ids": longer}, params)[0]
     assert reused.num_cached_tokens >= 4 * WINDOW
-    cold = LLM(model=folder, dtype=dtype, max_model_len=256, enable_prefix_caching=False)
-    assert reused.outputs[0].token_ids == cold.generate({"prompt_token_ids": longer}, params)[0].outputs[0].token_ids
+    assert llm.engine.reset_prefix_cache()
+    cold = llm.generate({"prompt_token_ids": longer}, params)[0]
+    assert cold.num_cached_tokens == 0
+    assert reused.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
 # ---- KV blocks past every layer's window ------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("bfloat16", 16)])
-def test_blocks_outside_every_window_are_freed(dtype, block_size, family_checkpoint, smollm_tokenizer):
+def test_blocks_outside_every_window_are_freed(dtype, block_size, engine, family_checkpoint, smollm_tokenizer):
     """Phi-3 windows every layer: without the prefix cache, the blocks its window has passed go
     back to the pool as the sequence runs, and the tokens are those of an engine that keeps them."""
     folder = str(family_checkpoint("phi3"))
-    ids = prompt_ids(len(smollm_tokenizer), 5 * WINDOW)
-    params = SamplingParams(temperature=0.0, max_tokens=3 * WINDOW, ignore_eos=True)
-    keeps = LLM(model=folder, dtype=dtype, max_model_len=256, block_size=block_size)  # prefix cache on: nothing freed
+    ids = prompt_ids(len(smollm_tokenizer), 4 * WINDOW)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * WINDOW, ignore_eos=True)
+    keeps = engine("phi3", dtype)  # prefix cache on: nothing freed (16-token blocks: the same tokens)
     frees = LLM(model=folder, dtype=dtype, max_model_len=256, block_size=block_size, enable_prefix_caching=False,
                 max_num_batched_tokens=32)  # chunked prefill: blocks freed between chunks too
     assert keeps.engine.kv_free_window == 0 and frees.engine.kv_free_window == WINDOW
@@ -240,7 +260,7 @@ def test_blocks_outside_every_window_are_freed(dtype, block_size, family_checkpo
     bm = frees.engine.block_manager
     got = frees.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:40]}], params)
     assert got[0].outputs[0].token_ids == expected
-    total = len(ids) + 3 * WINDOW
+    total = len(ids) + 2 * WINDOW
     # all but the blocks of the last window (and its 16-key tile) went free while it ran
     assert bm.num_window_freed_blocks >= (total - 2 * WINDOW - 16) // block_size
     frees.engine.check_integrity()

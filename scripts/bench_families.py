@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=1000)
     ap.add_argument("--decode", type=int, default=32, help="tokens per decode run")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--gguf", nargs="*", default=[], help="also measure these files the same way (e.g. the Llama-shaped "
+                    "1B of scripts/make_random_gguf.py, as a baseline)")
     args = ap.parse_args()
 
     from chatserve import LLM, SamplingParams
@@ -131,17 +133,18 @@ def main() -> int:
 
     default = default_model_path()
     vocab = len(_tokenizer_fields(default)["tokenizer.ggml.tokens"])
-    for family in args.families:
-        path = Path(args.dir, f"chatserve-bench-{family}-1b-{args.type}.gguf")
-        config = config_of(family, vocab)
-        if not path.exists():
+    jobs = [(f, Path(args.dir, f"chatserve-bench-{f}-1b-{args.type}.gguf")) for f in args.families]
+    jobs += [("file", Path(g)) for g in args.gguf]
+    for family, path in jobs:
+        config = config_of(family, vocab) if family != "file" else None
+        if config is not None and not path.exists():
             t0 = time.perf_counter()
             write_family_gguf(path, family, RandomWeights(family, config), default, TYPES[args.type])
             print(f"# wrote {path} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         llm = LLM(model=str(path), max_model_len=2048)
         load_s = time.perf_counter() - t0
-        params = param_count(family, config)
+        params = param_count(family, config) if config is not None else 0
         rng = np.random.default_rng(1)
         prompt = rng.integers(100, vocab - 100, args.prefill).tolist()
         short = rng.integers(100, vocab - 100, 8).tolist()
@@ -158,7 +161,8 @@ def main() -> int:
             llm.generate({"prompt_token_ids": short}, SamplingParams(temperature=0.0, max_tokens=args.decode, ignore_eos=True))
             decode.append(args.decode / (time.perf_counter() - t0))
         print(json.dumps({
-            "family": family, "type": args.type, "params_b": round(params / 1e9, 3),
+            "family": family if config is not None else path.name, "type": args.type if config is not None else "",
+            "params_b": round(params / 1e9, 3),
             "file_gb": round(path.stat().st_size / 1e9, 2), "load_s": round(load_s, 1),
             f"prefill_{args.prefill}_s": round(statistics.median(prefill), 2),
             "decode_tok_s": round(statistics.median(decode), 2), "runs": args.runs,

@@ -116,7 +116,7 @@ def param_count(family: str, c) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--families", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--type", choices=sorted(TYPES), default="q4_0")
     ap.add_argument("--dir", default="/tmp", help="where the GGUF files are written (reused when present)")
     ap.add_argument("--prefill", type=int, default=1000)

@@ -334,3 +334,29 @@ def test_gguf_q8_0_logprob_drift(name, family_gguf, hf_models, smollm_tokenizer)
     drift = max(abs(a - b) for a, b in zip(ours, theirs))
     assert drift <= 3 * their_drift + 0.1, (name, drift, their_drift)
 
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model():
+    """Gemma3ForConditionalGeneration: the text config is the model's, the language model's
+    tensors load under the text names, the vision tower and projector are left out."""
+    import transformers
+
+    from chatserve.models.config import ModelConfig
+    from chatserve.models.gemma import _text_weights
+
+    from .helpers.tiny_families import hf_config
+
+    text = hf_config("gemma3", 1000, 1, 2)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=16, patch_size=8)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    mc = ModelConfig.from_hf(cfg)
+    assert (mc.architecture, mc.hidden_size, mc.num_layers, mc.layer_windows) == (
+        "Gemma3ForConditionalGeneration", 64, 4, (WINDOW, WINDOW, 0, WINDOW))
+    assert mc.qk_norm and mc.hf_config.model_type == "gemma3_text"
+    names = ["language_model.model.layers.0.self_attn.q_proj.weight", "model.language_model.norm.weight",
+             "vision_tower.vision_model.embeddings.patch_embedding.weight", "multi_modal_projector.mm_input_projection_weight",
+             "language_model.lm_head.weight"]
+    mapped = [n for n, _ in _text_weights((n, None) for n in names)]
+    assert mapped == ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight", "lm_head.weight"]

@@ -66,6 +66,24 @@ def hf_logprobs_of(model, ids: list[int], continuation: list[int]) -> list[float
 
 
 @pytest.fixture(scope="module")
+def engine(family_checkpoint):
+    """One engine per (family, dtype, kernel tier), shared by the module's tests (a load costs more
+    than a test): tests that need a cold prefix cache reset it."""
+    made = {}
+
+    def get(name: str, dtype: str, tier: str = "auto"):
+        key = (name, dtype, tier)
+        if key not in made:
+            made[key] = LLM(model=str(family_checkpoint(name)), dtype=dtype, max_model_len=256, block_size=16,
+                            cpu_kernel_tier=tier)
+        llm = made[key]
+        assert llm.engine.reset_prefix_cache()
+        return llm
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def hf_models(smollm_tokenizer):
     made = {}
 
@@ -82,10 +100,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_greedy_matches_transformers_fp32(name, family_checkpoint, hf_models, smollm_tokenizer):
-    folder = family_checkpoint(name)
+def test_greedy_matches_transformers_fp32(name, engine, hf_models, smollm_tokenizer):
     ids = prompt_ids(len(smollm_tokenizer))
-    llm = LLM(model=str(folder), dtype="float32", max_model_len=256, block_size=16)
+    llm = engine(name, "float32")
     out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
     theirs, their_lps = hf_greedy(hf_models(name), ids, NEW_TOKENS)
     assert out.token_ids == theirs
@@ -180,16 +197,18 @@ def test_cpu_paged_attention_window_softcap(kernels, block_size, window, softcap
 # ---- bf16: the C++ kernels of each tier --------------------------------------------------------
 
 
-@pytest.mark.parametrize("tier", KERNEL_TIERS or ["none"])
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
-def test_bf16_logprob_drift(name, tier, family_checkpoint, hf_models, smollm_tokenizer):
-    """bf16 on each kernel tier: our tokens' logprobs within a bound of transformers' float32 ones
+BF16_CASES = [("gemma2", t) for t in KERNEL_TIERS or ["none"]] + [(n, "auto") for n in ("gemma3", "phi3") if KERNEL_TIERS]
+
+
+@pytest.mark.parametrize("name,tier", BF16_CASES)
+def test_bf16_logprob_drift(name, tier, engine, hf_models, smollm_tokenizer):
+    """bf16 on each kernel tier (Gemma 2; the others on the host's): our tokens' logprobs within a bound of transformers' float32 ones
     on the same tokens (teacher-forced, so a near-tie that flips does not end the comparison): no
     further than transformers' own bf16 model is, plus 0.1."""
     if tier == "none":
         pytest.skip("no kernel tier on this CPU")
     ids = prompt_ids(len(smollm_tokenizer))
-    llm = LLM(model=str(family_checkpoint(name)), dtype="bfloat16", max_model_len=256, cpu_kernel_tier=tier)
+    llm = engine(name, "bfloat16", tier)
     assert llm.engine.runner.attention_backend.name == "cpu"
     out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
     ours = [e[t].logprob for e, t in zip(out.logprobs, out.token_ids)]
@@ -206,17 +225,138 @@ def test_bf16_logprob_drift(name, tier, family_checkpoint, hf_models, smollm_tok
 # ---- the prefix cache across the window ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["gemma2", "phi3"])
-def test_prefix_cache_reuse_across_window(name, dtype, family_checkpoint, smollm_tokenizer):
-    """A prompt sharing a cached prefix several windows long gives the tokens of a cold run."""
-    folder = str(family_checkpoint(name))
+@pytest.mark.parametrize("name,dtype", [("gemma2", "float32"), ("gemma2", "bfloat16"), ("phi3", "bfloat16")])
+def test_prefix_cache_reuse_across_window(name, dtype, engine, smollm_tokenizer):
+    """A prompt sharing a cached prefix several windows long gives the tokens of a cold run
+    (windowed layers read only the prefix's last window, global ones all of it)."""
     base = prompt_ids(len(smollm_tokenizer), 4 * WINDOW + 5)
     longer = base + prompt_ids(len(smollm_tokenizer), 2 * WINDOW + 3, seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    warm = LLM(model=folder, dtype=dtype, max_model_len=256)
-    warm.generate({"prompt_token_ids": base}, params)
-    reused = warm.generate({"prompt_token_ids": longer}, params)[0]
+    llm = engine(name, dtype)
+    llm.generate({"prompt_token_ids": base}, params)
+    reused = llm.generate({"prompt_token_ids": longer}, params)[0]
     assert reused.num_cached_tokens >= 4 * WINDOW
-    cold = LLM(model=folder, dtype=dtype, max_model_len=256, enable_prefix_caching=False)
-    assert reused.outputs[0].token_ids == cold.generate({"prompt_token_ids": longer}, params)[0].outputs[0].token_ids
+    assert llm.engine.reset_prefix_cache()
+    cold = llm.generate({"prompt_token_ids": longer}, params)[0]
+    assert cold.num_cached_tokens == 0
+    assert reused.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+# ---- KV blocks past every layer's window ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,block_size", [("float32", 8), ("bfloat16", 16)])
+def test_blocks_outside_every_window_are_freed(dtype, block_size, engine, family_checkpoint, smollm_tokenizer):
+    """Phi-3 windows every layer: without the prefix cache, the blocks its window has passed go
+    back to the pool as the sequence runs, and the tokens are those of an engine that keeps them."""
+    folder = str(family_checkpoint("phi3"))
+    ids = prompt_ids(len(smollm_tokenizer), 4 * WINDOW)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * WINDOW, ignore_eos=True)
+    keeps = engine("phi3", dtype)  # prefix cache on: nothing freed (16-token blocks: the same tokens)
+    frees = LLM(model=folder, dtype=dtype, max_model_len=256, block_size=block_size, enable_prefix_caching=False,
+                max_num_batched_tokens=32)  # chunked prefill: blocks freed between chunks too
+    assert keeps.engine.kv_free_window == 0 and frees.engine.kv_free_window == WINDOW
+    expected = keeps.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    bm = frees.engine.block_manager
+    got = frees.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": ids[:40]}], params)
+    assert got[0].outputs[0].token_ids == expected
+    total = len(ids) + 2 * WINDOW
+    # all but the blocks of the last window (and its 16-key tile) went free while it ran
+    assert bm.num_window_freed_blocks >= (total - 2 * WINDOW - 16) // block_size
+    frees.engine.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks  # nothing leaked, nothing freed twice
+    assert keeps.engine.block_manager.num_window_freed_blocks == 0
+
+
+# ---- GGUF files named as llama.cpp's converter names them -------------------------------------
+
+Q8_0 = 8
+
+
+@pytest.fixture(scope="module")
+def family_gguf(tmp_path_factory, hf_models, default_gguf):
+    from .helpers.tiny_families import write_family_gguf
+
+    made = {}
+
+    def make(name: str, qtype: int):
+        if (name, qtype) not in made:
+            path = tmp_path_factory.mktemp(f"gguf-{name}-{qtype}") / f"{name}.gguf"
+            made[name, qtype] = write_family_gguf(path, name, hf_models(name), str(default_gguf), qtype)
+        return made[name, qtype]
+
+    return make
+
+
+def test_gguf_tensor_names_and_keys(family_gguf):
+    """The files carry llama.cpp's names: Phi-3's fused attn_qkv and ffn_up (gate|up), long-rope
+    factors as tensors; Gemma 2's four norms a layer and its soft-cap keys."""
+    import mmap
+
+    from chatserve.models.gguf import read_gguf_header
+
+    def header(path):
+        with open(path, "rb") as f:
+            return read_gguf_header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+    phi3 = header(family_gguf("phi3", Q8_0))
+    shapes = {t.name: t.shape for t in phi3.tensors}
+    assert shapes["blk.0.attn_qkv.weight"] == (128 + 2 * 64, 128) and shapes["blk.0.ffn_up.weight"] == (256, 128)
+    assert "rope_factors_long.weight" in shapes and phi3.metadata["phi3.attention.sliding_window"] == WINDOW
+    gemma2 = header(family_gguf("gemma2", Q8_0))
+    names = {t.name for t in gemma2.tensors}
+    assert {f"blk.1.{n}.weight" for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")} <= names
+    assert gemma2.metadata["gemma2.attn_logit_softcapping"] == 4.0
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_gguf_f32_greedy_matches_transformers(name, family_gguf, hf_models, smollm_tokenizer):
+    """From a float32 GGUF (the values unquantized), the same tokens as transformers on the source
+    weights: names, the 1 + w norms, the fused splits and the metadata the config is completed from."""
+    ids = prompt_ids(len(smollm_tokenizer))
+    llm = LLM(model=str(family_gguf(name, 0)), dtype="float32", max_model_len=256)
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
+    assert out.token_ids == hf_greedy(hf_models(name), ids, NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_gguf_q8_0_logprob_drift(name, family_gguf, hf_models, smollm_tokenizer):
+    """Q8_0 blocks through the quantized kernels (bf16): our tokens' logprobs within 3x
+    transformers' own bf16 drift plus 0.1 of its float32 ones (Q8_0 weights, int8 activations)."""
+    ids = prompt_ids(len(smollm_tokenizer))
+    llm = LLM(model=str(family_gguf(name, Q8_0)), dtype="bfloat16", max_model_len=256)
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0]
+    model = hf_models(name)
+    ours = [e[t].logprob for e, t in zip(out.logprobs, out.token_ids)]
+    theirs = hf_logprobs_of(model, ids, out.token_ids)
+    hf_bf16 = hf_logprobs_of(copy.deepcopy(model).to(torch.bfloat16), ids, out.token_ids)
+    their_drift = max(abs(a - b) for a, b in zip(hf_bf16, theirs))
+    drift = max(abs(a - b) for a, b in zip(ours, theirs))
+    assert drift <= 3 * their_drift + 0.1, (name, drift, their_drift)
+
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model():
+    """Gemma3ForConditionalGeneration: the text config is the model's, the language model's
+    tensors load under the text names, the vision tower and projector are left out."""
+    import transformers
+
+    from chatserve.models.config import ModelConfig
+    from chatserve.models.gemma import _text_weights
+
+    from .helpers.tiny_families import hf_config
+
+    text = hf_config("gemma3", 1000, 1, 2)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=16, patch_size=8)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    mc = ModelConfig.from_hf(cfg)
+    assert (mc.architecture, mc.hidden_size, mc.num_layers, mc.layer_windows) == (
+        "Gemma3ForConditionalGeneration", 64, 4, (WINDOW, WINDOW, 0, WINDOW))
+    assert mc.qk_norm and mc.hf_config.model_type == "gemma3_text"
+    names = ["language_model.model.layers.0.self_attn.q_proj.weight", "model.language_model.norm.weight",
+             "vision_tower.vision_model.embeddings.patch_embedding.weight", "multi_modal_projector.mm_input_projection_weight",
+             "language_model.lm_head.weight"]
+    mapped = [n for n, _ in _text_weights((n, None) for n in names)]
+    assert mapped == ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight", "lm_head.weight"]

@@ -255,3 +255,29 @@ def test_store_kv_cache_all_padding_writes_nothing():
     key = torch.randn(3, NUM_KV_HEADS, 16)
     tk.store_kv_cache(key, key, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int64))
     assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (21, 2.5), (0, 1.5)])
+def test_triton_kernels_window_softcap(window, softcap):
+    """Sliding window and soft-cap (issue 33) against the reference: split decodes, and a chunk
+    over cached keys whose first rows see none of the first key tiles."""
+    from chatserve.kernels.reference import paged_masked_attention
+
+    gen = torch.Generator().manual_seed(2)
+    bs, kvh, d = 16, 2, 32
+    k_cache = torch.randn(12, bs, kvh, d, generator=gen)
+    v_cache = torch.randn(12, bs, kvh, d, generator=gen)
+    tables = [[3, 7, 1, 9, 0], [2, 8, 4, 5, 6]]
+    q_dec = torch.randn(2, 4, d, generator=gen)
+    dec_pos = [70, 40]
+    ref = paged_masked_attention(q_dec, k_cache, v_cache, tables, [0, 1, 2], dec_pos, 0.2, window=window, softcap=softcap)
+    out = tk.paged_decode_attention(q_dec, k_cache, v_cache, torch.tensor(tables), torch.tensor([p + 1 for p in dec_pos]),
+                                    0.2, num_splits=3, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    q_ext = torch.randn(30, 4, d, generator=gen)  # 30 new rows after 35 cached keys, and 9 from scratch
+    qsl = [0, 21, 30]
+    starts = [35, 0]
+    ref = paged_masked_attention(q_ext, k_cache, v_cache, tables, qsl, starts, 0.2, window=window, softcap=softcap)
+    out = tk.paged_extend_attention(q_ext, k_cache, v_cache, torch.tensor(tables), torch.tensor(qsl), torch.tensor([56, 9]),
+                                    0.2, block_m=16, block_n=16, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

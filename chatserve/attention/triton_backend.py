@@ -65,7 +65,6 @@ def load_triton_kernels(device: torch.device):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    supports_sliding_window = False  # models needing it are refused at build (models/llama.py)
 
     def __init__(self, device: torch.device) -> None:
         self.kernels = load_triton_kernels(device)
@@ -89,9 +88,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, slot_mapping, metadata: TritonAttentionMetadata, scale,
                 window: int = 0, softcap: float = 0.0):
-        if window or softcap:
-            raise ValueError("attention_backend='triton' has no sliding-window or soft-capped attention yet "
-                             "(Gemma 2/3, Phi-3, Mistral with sliding_window); use attention_backend='torch'")
         tk = self.kernels
         tk.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         out = torch.empty_like(q)
@@ -99,11 +95,12 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             tk.paged_decode_attention(
                 q[:nd], k_cache, v_cache, metadata.decode_block_tables, metadata.decode_context_lens, scale,
-                max_len=metadata.decode_max_len, out=out[:nd],
+                max_len=metadata.decode_max_len, out=out[:nd], window=window, softcap=softcap,
             )
         if metadata.num_extends:
             tk.paged_extend_attention(
                 q[nd:], k_cache, v_cache, metadata.extend_block_tables, metadata.extend_query_start_loc,
                 metadata.extend_seq_lens, scale, max_query_len=metadata.extend_max_query_len, out=out[nd:],
+                window=window, softcap=softcap,
             )
         return out

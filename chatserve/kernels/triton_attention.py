@@ -111,11 +111,14 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps,  # partial output [B, H, S, D] (lse: [B, H, S], same first strides / D)
     block_size,
     num_splits,  # a runtime value: a new split count needs no recompilation
+    window,  # > 0: the query (at ctx_len - 1) sees the last `window` keys only
+    softcap,  # > 0 with SOFTCAP: scores become softcap * tanh(score / softcap)
     REP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     DIRECT_OUT: tl.constexpr,  # one split: normalise and write the output here, no merge
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,  # do the dots in float32 (fp32 caches; bf16 under the interpreter)
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -128,8 +131,11 @@ def _decode_kernel(
     heads = kvh * REP + offs_h
 
     ctx_len = tl.load(context_lens_ptr + b)
-    split_len = tl.cdiv(ctx_len, num_splits)
-    start = tl.minimum(split * split_len, ctx_len)  # late splits of short contexts are empty: start == end
+    lo = 0  # the window's first key (0: every key)
+    if WINDOW:
+        lo = tl.maximum(ctx_len - window, 0)
+    split_len = (ctx_len - lo + num_splits - 1) // num_splits
+    start = tl.minimum(lo + split * split_len, ctx_len)  # late splits of short contexts are empty: start == end
     end = tl.minimum(start + split_len, ctx_len)
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -155,7 +161,12 @@ def _decode_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        if SOFTCAP:
+            # log2-domain soft-capped scores: cap * tanh(dot * scale / cap) * log2(e), tanh from sigmoid
+            s = (2.0 * tl.sigmoid(2.0 * s * (qk_scale / 1.4426950408889634) / softcap) - 1.0) * (softcap * 1.4426950408889634)
+        else:
+            s = s * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -244,6 +255,8 @@ def paged_decode_attention(
     mask: torch.Tensor | None = None,  # accepted for signature parity with the reference; unused
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim] to write into (default: a new tensor)
     num_splits: int | None = None,  # override the split heuristic (tests)
+    window: int = 0,  # > 0: the last `window` keys only (a sliding-window layer)
+    softcap: float = 0.0,  # > 0: soft-capped scores (Gemma 2)
     block_n: int | None = None,  # tuning overrides (scripts/gpu_tune.py); None = the defaults below
     num_warps: int | None = None,
     num_stages: int = 2,
@@ -283,11 +296,11 @@ def paged_decode_attention(
         block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         num_heads * num_splits * head_dim, num_splits * head_dim, head_dim,
-        block_size, num_splits,
+        block_size, num_splits, window, softcap,
         REP=rep, HEAD_DIM=head_dim, DIRECT_OUT=num_splits == 1,
         BLOCK_H=max(16, triton.next_power_of_2(rep)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_F32=dot_f32,
+        DOT_F32=dot_f32, WINDOW=window > 0, SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -315,9 +328,12 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_cs, stride_ch,
     block_size,
+    window,  # with WINDOW: a query at q_pos sees keys q_pos - window + 1 .. q_pos
+    softcap,  # with SOFTCAP: scores become softcap * tanh(score / softcap)
     REP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -350,7 +366,10 @@ def _extend_kernel(
         table = block_table_ptr + b * stride_bt
         last_tok = tl.minimum(row0 + BLOCK_M - 1, num_new * REP - 1) // REP
         kv_end = tl.minimum(seq_len, prefix_len + last_tok + 1)  # keys past the tile's last query are masked anyway
-        for n0 in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if WINDOW:  # keys before the tile's first query's window are masked for every row: skip them
+            kv_start = tl.maximum(prefix_len + row0 // REP - window + 1, 0)
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < kv_end
             block = tl.load(table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
@@ -366,8 +385,17 @@ def _extend_kernel(
             else:
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))
             visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s * qk_scale, float("-inf"))
+            if WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            if SOFTCAP:
+                # log2-domain soft-capped scores: cap * tanh(dot * scale / cap) * log2(e), tanh from sigmoid
+                s = (2.0 * tl.sigmoid(2.0 * s * (qk_scale / 1.4426950408889634) / softcap) - 1.0) * (softcap * 1.4426950408889634)
+            else:
+                s = s * qk_scale
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            if WINDOW:  # a row may see no key of this tile yet: keep its state finite (no -inf - -inf)
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -376,6 +404,8 @@ def _extend_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
+        if WINDOW:  # padding rows past the sequence may see no key at all
+            l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -396,6 +426,8 @@ def paged_extend_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    window: int = 0,  # > 0: each query sees its last `window` keys only (a sliding-window layer)
+    softcap: float = 0.0,  # > 0: soft-capped scores (Gemma 2)
 ) -> torch.Tensor:
     """New tokens attend to their sequence's cached prefix and causally to themselves."""
     num_tokens, num_heads, head_dim = query.shape
@@ -422,10 +454,10 @@ def paged_extend_attention(
         scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_size,
+        block_size, window, softcap,
         REP=rep, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_F32=_dot_in_f32(query.dtype),
+        DOT_F32=_dot_in_f32(query.dtype), WINDOW=window > 0, SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

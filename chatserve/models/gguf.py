@@ -35,9 +35,13 @@ _STRING, _ARRAY = 8, 9
 
 # GGUF architectures we map, and whether transformers un-permutes their q/k (llama.cpp permutes
 # q/k rows of llama-arch models for its rotary layout; qwen2/qwen3 are stored as in HF).
-SUPPORTED_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False, "olmoe": False}
-_QK_NORM_ARCHS = frozenset({"qwen3", "qwen3moe", "olmoe"})  # GGUF / HF model types with q/k norms
-_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmoe"})
+SUPPORTED_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False, "olmoe": False,
+                   "gemma2": False, "gemma3": False, "phi3": False}
+# llama.cpp stores these architectures' RMSNorm weights as 1 + w (Gemma's norm scales by 1 + w);
+# transformers subtracts the 1 back, and so do we (models/gemma.py adds it in float32)
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
+_QK_NORM_ARCHS = frozenset({"qwen3", "qwen3moe", "olmoe", "gemma3"})  # GGUF / HF model types with q/k norms
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmoe", "gemma3_text"})
 
 
 class GGUFArray(NamedTuple):
@@ -164,15 +168,20 @@ def _raw_array(buf: Any, info: GGUFTensorInfo) -> np.ndarray:
     return raw.reshape(quant_shape_to_byte_shape(info.shape, qtype))
 
 
-def _expected_hf_names(hf_config: Any, n_layers: int) -> list[str]:
-    """HF parameter names (without .weight/.bias) of a llama / qwen2 / qwen3 causal LM."""
+def _expected_hf_names(hf_config: Any, n_layers: int, gguf_arch: str = "llama") -> list[str]:
+    """HF parameter names (without .weight/.bias) of a llama / qwen2 / qwen3 / gemma2 / gemma3 /
+    phi3 causal LM. Phi-3 keeps q|k|v and gate|up fused (llama.cpp's attn_qkv and ffn_up, whose
+    gguf name table also maps the separate names: listing both would map one tensor twice)."""
+    fused = gguf_arch == "phi3"
     names = ["model.embed_tokens", "model.norm", "lm_head"]
     for i in range(n_layers):
         p = f"model.layers.{i}"
-        names += [f"{p}.self_attn.{x}_proj" for x in "qkvo"]
+        names += [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkvo"]
         names += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
-        names += [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")]
+        names += [f"{p}.mlp.gate_up_proj", f"{p}.mlp.down_proj"] if fused else [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")]
         names += [f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
+        if gguf_arch in _NORM_PLUS_ONE:  # Gemma's sandwich: norms before and after the MLP too
+            names += [f"{p}.pre_feedforward_layernorm", f"{p}.post_feedforward_layernorm"]
     return names
 
 
@@ -202,9 +211,9 @@ def gguf_to_hf_names(gguf_arch: str, hf_config: Any, n_layers: int) -> dict[str,
         from chatserve.models.gguf_moe import moe_tensor_names
 
         mapping.update(moe_tensor_names(n_layers))
-    for hf_base in _expected_hf_names(hf_config, n_layers):
+    for hf_base in _expected_hf_names(hf_config, n_layers, gguf_arch):
         if not has_qk_norm and hf_base.endswith(("q_norm", "k_norm")):
-            continue  # only Qwen3 (and Qwen3-MoE, OLMoE) have q/k norms; transformers skips them elsewhere
+            continue  # only Qwen3, Qwen3-MoE, OLMoE and Gemma 3 have q/k norms; transformers skips them elsewhere
         gguf_base = table.get_name(hf_base)
         if gguf_base is None:
             continue
@@ -302,6 +311,8 @@ def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype,
             yield hf_name, _quantized(buf, info, unpermute, n_head, n_kv_head)
             continue
         weights = dequantize(_raw_array(buf, info), GGMLQuantizationType(info.ggml_type))
+        if arch in _NORM_PLUS_ONE and "norm.weight" in info.name:
+            weights = weights - 1  # as transformers' Gemma2TensorProcessor
         if unpermute and ".attn_q." in info.name:
             weights = _unpermute_qk(weights, int(n_head))
         elif unpermute and ".attn_k." in info.name:

@@ -103,8 +103,7 @@ class DecoderLayer(nn.Module):
 
 def check_attention_features(cfg: ModelConfig, max_positions: int, ops: LayerOps) -> tuple[int, ...]:
     """Each layer's effective sliding window (0: global); refuses, at build time, an attention
-    backend that cannot run this model's windows or soft-capping, and an MLP activation this
-    family does not compute."""
+    backend that cannot run this model's windows or soft-capping (rather than at its first step)."""
     windows = tuple(cfg.window_of(i, max_positions) for i in range(cfg.num_layers))
     if (any(windows) or cfg.attn_softcap) and not getattr(ops.attention, "supports_sliding_window", True):
         raise ValueError(f"attention backend {ops.attention.name!r} has no sliding-window or soft-capped attention, "

@@ -97,9 +97,14 @@ def load_hf_config(source: ModelSource) -> Any:
         return saved_metadata_config(folder)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
+        from chatserve.models.gguf_families import complete_gguf_config
+
         kwargs["gguf_file"] = source.gguf_file
     with gguf_moe_metadata() if source.is_gguf else contextlib.nullcontext():
-        return AutoConfig.from_pretrained(source.folder, **kwargs)
+        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+    if source.is_gguf:
+        config = complete_gguf_config(config, os.path.join(source.folder, source.gguf_file))
+    return config
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -212,8 +217,10 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     from transformers import AutoConfig, AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": source.gguf_file}
+    from chatserve.models.gguf_families import complete_gguf_config
+
     with gguf_moe_metadata(), _gguf_metadata_parsed_once():  # MoE files: configs transformers misreads (gguf_moe.py)
-        config = AutoConfig.from_pretrained(source.folder, **kwargs)
+        config = complete_gguf_config(AutoConfig.from_pretrained(source.folder, **kwargs), str(path))
         tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     try:
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))

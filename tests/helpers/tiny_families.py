@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 WINDOW = 16
@@ -19,12 +20,12 @@ WINDOW = 16
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (config class, config kwargs beyond the common ones)
     "gemma2": ("Gemma2Config", {
-        "head_dim": 32, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+        "head_dim": 32, "sliding_window": WINDOW, "query_pre_attn_scalar": 32,  # = head_dim: what a GGUF implies
         "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     }),
     "gemma3": ("Gemma3TextConfig", {
-        "head_dim": 32, "sliding_window": WINDOW, "query_pre_attn_scalar": 32,
+        "head_dim": 32, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -32,7 +33,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     }),
     "phi3": ("Phi3Config", {  # long-rope past 64 positions, a window over every layer, untied lm_head
-        "hidden_size": 128, "sliding_window": WINDOW, "tie_word_embeddings": False, "original_max_position_embeddings": 64,
+        "hidden_size": 128, "initializer_range": 0.1, "sliding_window": WINDOW, "tie_word_embeddings": False,
+        "original_max_position_embeddings": 64,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10_000.0,
                             "short_factor": [1.0 + 0.05 * i for i in range(16)],
                             "long_factor": [1.0 + 0.5 * i for i in range(16)],
@@ -88,3 +90,86 @@ def write_family_checkpoint(folder: Path, name: str, tokenizer: Any) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+GGUF_ARCHS = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+
+
+def write_family_gguf(path: Path, name: str, model: Any, default_gguf: str, qtype: int) -> Path:
+    """`model`'s weights as llama.cpp's converter writes a GGUF of its architecture: tensor names
+    from gguf's table (Phi-3's fused attn_qkv and ffn_up), Gemma's norms stored as 1 + w, the
+    family's metadata keys (soft-caps, window, rope scaling, long-rope factors as tensors), matmul
+    weights and the token embedding in `qtype` (0: F32), norms in F32; SmolLM2's tokenizer."""
+    import gguf
+
+    from .tiny_gguf import _tokenizer_fields
+
+    arch = GGUF_ARCHS[name]
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.sliding_window:
+        writer.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    if arch in ("gemma2", "gemma3"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3":
+        full = rope["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+    if arch == "phi3":
+        rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rot)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "longrope":
+            import math
+
+            orig = rope["original_max_position_embeddings"]
+            writer.add_rope_scaling_orig_ctx_len(orig)
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg.max_position_embeddings / orig) / math.log(orig)))
+            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    fields = _tokenizer_fields(default_gguf)
+    writer.add_vocab_size(len(fields["tokenizer.ggml.tokens"]))
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+    writer.add_chat_template(fields["tokenizer.chat_template"])
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    table = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        base = hf_name.removesuffix(".weight")
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        gguf_base = table.get_name(base)
+        assert gguf_base is not None, hf_name
+        w = tensor.float().numpy()
+        if "norm" in hf_name:
+            writer.add_tensor(f"{gguf_base}.weight", (w + 1 if arch != "phi3" else w).astype(np.float32))
+        elif qtype == 0:
+            writer.add_tensor(f"{gguf_base}.weight", w.astype(np.float32))
+        else:
+            t = gguf.GGMLQuantizationType(qtype)
+            writer.add_tensor(f"{gguf_base}.weight", gguf.quants.quantize(w, t), raw_dtype=t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -238,3 +238,46 @@ def test_sparse_layers_and_bad_configs():
     assert moe == MoEConfig(num_experts=4, top_k=2, intermediate_size=48, renormalize=False, sparse_layers=frozenset(range(6)))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelConfig.from_hf(qwen(num_experts_per_tok=5))
+
+
+def _header(tmp_path: Path, arch: str, fields: dict, routers: list[int], layers: int = 2):
+    import mmap
+
+    import gguf
+    import numpy as np
+
+    from chatserve.models.gguf import read_gguf_header
+
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    for key, value in fields.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    for i in routers:
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return read_gguf_header(buf)
+
+
+def test_gguf_moe_config_fixes(tmp_path):
+    """What transformers misses in MoE GGUF metadata, read from the file's keys; missing keys name themselves."""
+    from chatserve.models.gguf_moe import moe_config_fixes
+
+    fixes = moe_config_fixes(_header(tmp_path, "qwen3moe", {"expert_count": 4, "expert_used_count": 2,
+                                                            "expert_feed_forward_length": 48}, routers=[0]))
+    assert fixes["model_type"] == "qwen3_moe" and fixes["num_experts"] == 4 and fixes["num_experts_per_tok"] == 2
+    assert fixes["moe_intermediate_size"] == 48 and fixes["norm_topk_prob"] is True  # llama.cpp always renormalises
+    assert fixes["mlp_only_layers"] == [1]  # no router: a dense layer
+    mixtral = moe_config_fixes(_header(tmp_path, "llama", {"expert_count": 8, "expert_used_count": 2}, routers=[0, 1]))
+    assert mixtral["model_type"] == "mixtral" and mixtral["num_local_experts"] == 8
+    assert moe_config_fixes(_header(tmp_path, "llama", {}, routers=[])) == {}  # a dense llama file: nothing to fix
+    olmoe = moe_config_fixes(_header(tmp_path, "olmoe", {"expert_count": 8, "expert_used_count": 2}, routers=[0, 1]))
+    assert olmoe["norm_topk_prob"] is False and olmoe["clip_qkv"] is None
+    with pytest.raises(ValueError, match="expert_feed_forward_length"):
+        moe_config_fixes(_header(tmp_path, "qwen3moe", {"expert_count": 4, "expert_used_count": 2}, routers=[0, 1]))
+    with pytest.raises(ValueError, match="expert_used_count"):
+        moe_config_fixes(_header(tmp_path, "olmoe", {"expert_count": 8}, routers=[0, 1]))

@@ -45,10 +45,11 @@ PROMPTS = [
 # bf16 rounding then picks the other one: that prompt's whole distribution moves (by up to ~3 nats,
 # measured: OLMoE's first prompt). Real, and not a bug, so one prompt of the five may exceed the
 # bound; a wrong routing rule, norm or expert mapping moves all of them. Measured on AVX512-BF16
-# and AVX2: bf16 vs transformers' float32 at most 0.19 on the other prompts; Q8_0 (int8 activations)
-# vs the same file de-quantised to bf16 at most 0.26.
-BF16_MAX_DRIFT = 0.4
-Q8_0_MAX_DRIFT = 0.5
+# and AVX2, over the other prompts: bf16 vs transformers' float32 at most 0.28; Q8_0 (int8
+# activations, the Q8_0 lm_head of these peaked logits included) vs the same file de-quantised to
+# bf16 at most 0.50 (Mixtral on AVX2; 0.41 on AVX512-BF16).
+BF16_MAX_DRIFT = 0.45
+Q8_0_MAX_DRIFT = 0.8
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """One Llama-family forward pass over the paged KV cache.
 
 Llama/SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm) differ only
-by flags of `ModelConfig`. q/k/v and gate/up projections are merged into one
+by flags of `ModelConfig`; so do the mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE),
+whose layers' MLP is a `FusedMoE` (layers/moe.py) where `ModelConfig.moe` says. q/k/v and gate/up projections are merged into one
 matmul each at load time: fewer, larger matmuls are faster on every device.
 """
 

@@ -19,13 +19,14 @@ import torch
 
 from .tiny_gguf import _tokenizer_fields
 
-HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 64, 4, 2, 2, 8, 2
+# head_dim 32: the fused C++ rotary and paged attention kernels' sizes (smaller heads take torch paths)
+HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 128, 4, 2, 2, 8, 2
 
 # family -> (transformers config class, its extra kwargs, llama.cpp architecture)
 FAMILIES = {
     # Qwen3-MoE: per-head q/k norms, renormalised top-k, and layer 1 dense (mlp_only_layers)
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": EXPERTS, "moe_intermediate_size": 32, "intermediate_size": 96,
-                                     "norm_topk_prob": True, "head_dim": 16, "mlp_only_layers": [1]}, "qwen3moe"),
+                                     "norm_topk_prob": True, "head_dim": 32, "mlp_only_layers": [1]}, "qwen3moe"),
     "mixtral": ("MixtralConfig", {"num_local_experts": EXPERTS, "intermediate_size": 64}, "llama"),
     # OLMoE: q/k norms over the whole projection, no renormalisation, q/k/v clamped
     "olmoe": ("OlmoeConfig", {"num_experts": EXPERTS, "intermediate_size": 64, "norm_topk_prob": False,
@@ -33,8 +34,13 @@ FAMILIES = {
 }
 
 
-def write_tiny_moe(folder: Path, family: str, tokenizer, seed: int = 1234) -> Path:
-    """A random `family` model with 8 experts (2 per token), saved by transformers with `tokenizer`."""
+def write_tiny_moe(folder: Path, family: str, tokenizer, seed: int = 1234, snap_qtype: int | None = None) -> Path:
+    """A random `family` model with 8 experts (2 per token), saved by transformers with `tokenizer`.
+
+    snap_qtype: every matmul weight but the routers rounded through that ggml type (quantised and
+    de-quantised with gguf's own code), so a GGUF copy in that type holds exactly these weights and
+    transformers in float32 is the reference for the quantized kernels' arithmetic alone (a random
+    model's routing is chaotic: rounding the weights alone moves its logprobs by tenths of a nat)."""
     import transformers
 
     cls_name, extra, _ = FAMILIES[family]
@@ -50,6 +56,15 @@ def write_tiny_moe(folder: Path, family: str, tokenizer, seed: int = 1234) -> Pa
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+        model.lm_head.weight.mul_(2.0)  # peaked next-token distributions (a random model's are nearly flat)
+        if snap_qtype is not None:
+            import gguf
+
+            t = gguf.GGMLQuantizationType(snap_qtype)
+            for name, p in model.named_parameters():
+                if p.dim() >= 2 and not name.endswith(("norm.weight", ".gate.weight")):  # experts: [E, N, K]
+                    w = p.detach().float().numpy()
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t)))
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder

@@ -145,6 +145,11 @@ def saved_metadata_config(folder: str) -> Any:
     return config
 
 
+# Bumped when what is saved from a GGUF's metadata changes (the config facts models/gguf_families.py and
+# gguf_moe.py add to transformers' conversion): a folder converted by older code is converted again.
+METADATA_FORMAT = 2
+
+
 def metadata_cache_root() -> Path:
     """Where converted GGUF metadata is kept: $CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve."""
     explicit = os.environ.get("CHATSERVE_CACHE_DIR")
@@ -205,7 +210,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
         st = path.stat()
     except OSError:
         return None  # let transformers report the missing file
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{METADATA_FORMAT}"
     folder = metadata_cache_root() / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return str(folder)

@@ -22,6 +22,7 @@ def test_a_session_survives_a_restart_warm_from_disk(tmp_path) -> None:
              "--kv-offload-dir", str(tmp_path / "kv"))
     system = " ".join(f"Rule {i}: answer briefly and cite source {i}." for i in range(12))
     first = start_server(*flags)
+    sid = ""
     try:
         api = httpx.Client(base_url=first.url, timeout=120)
         sid = api.post("/v1/sessions", json={"system_prompt": system}).json()["id"]
@@ -34,6 +35,8 @@ def test_a_session_survives_a_restart_warm_from_disk(tmp_path) -> None:
         assert first.stop() == 0, first.log()[-3000:]
     except BaseException:
         first.stop()
+        if sid:
+            _drop_session(sid)
         raise
 
     second = start_server(*flags)
@@ -53,6 +56,23 @@ def test_a_session_survives_a_restart_warm_from_disk(tmp_path) -> None:
         assert 'chatserve:kv_offload_hit_blocks_total{medium="disk"' in metrics
         assert api.delete(f"/v1/sessions/{sid}").status_code in (200, 204)
     finally:
+        _drop_session(sid)
         assert second.stop() == 0, second.log()[-3000:]
     with redis.Redis.from_url(REDIS) as client:
         assert not [k for k in client.scan_iter("*") if sid.encode() in k], "the session left keys behind"
+
+
+def _drop_session(sid: str) -> None:
+    """However the test ended, the session's keys go (the store's own delete: its keys and index entries)."""
+    import asyncio
+
+    from chatserve.sessions.redis_store import RedisSessionStore
+
+    async def drop() -> None:
+        store = RedisSessionStore(REDIS)
+        try:
+            await store.delete(sid)
+        finally:
+            await store.close()
+
+    asyncio.run(drop())

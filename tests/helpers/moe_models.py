@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .tiny_gguf import _tokenizer_fields
+from .tiny_gguf import add_default_tokenizer
 
 # head_dim 32: the fused C++ rotary and paged attention kernels' sizes (smaller heads take torch paths)
 HIDDEN, HEADS, KV_HEADS, LAYERS, EXPERTS, TOP_K = 128, 4, 2, 2, 8, 2
@@ -85,7 +85,6 @@ def write_moe_gguf(path: Path, folder: Path, family: str, default_gguf: str, qty
     cfg = AutoConfig.from_pretrained(folder)
     arch = FAMILIES[family][2]
     sd = {k: v.float().numpy() for k, v in load_file(str(Path(folder, "model.safetensors"))).items()}
-    fields = _tokenizer_fields(default_gguf)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{family}")
@@ -106,15 +105,7 @@ def write_moe_gguf(path: Path, folder: Path, family: str, default_gguf: str, qty
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if family == "olmoe" and cfg.clip_qkv is not None:
         w.add_clamp_kqv(float(cfg.clip_qkv))
-    w.add_vocab_size(len(fields["tokenizer.ggml.tokens"]))
-    w.add_tokenizer_model(fields["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
-    w.add_token_list(fields["tokenizer.ggml.tokens"])
-    w.add_token_types(fields["tokenizer.ggml.token_type"])
-    w.add_token_merges(fields["tokenizer.ggml.merges"])
-    w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
-    w.add_chat_template(fields["tokenizer.chat_template"])
+    add_default_tokenizer(w, default_gguf)
 
     def matmul(name: str, a: np.ndarray) -> None:
         if qtype == 0:

@@ -102,7 +102,7 @@ def write_family_gguf(path: Path, name: str, model: Any, default_gguf: str, qtyp
     weights and the token embedding in `qtype` (0: F32), norms in F32; SmolLM2's tokenizer."""
     import gguf
 
-    from .tiny_gguf import _tokenizer_fields
+    from .tiny_gguf import add_default_tokenizer
 
     arch = GGUF_ARCHS[name]
     cfg = model.config
@@ -142,16 +142,7 @@ def write_family_gguf(path: Path, name: str, model: Any, default_gguf: str, qtyp
             writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg.max_position_embeddings / orig) / math.log(orig)))
             writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
             writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
-    fields = _tokenizer_fields(default_gguf)
-    writer.add_vocab_size(len(fields["tokenizer.ggml.tokens"]))
-    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
-    writer.add_token_list(fields["tokenizer.ggml.tokens"])
-    writer.add_token_types(fields["tokenizer.ggml.token_type"])
-    writer.add_token_merges(fields["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
-    writer.add_chat_template(fields["tokenizer.chat_template"])
+    add_default_tokenizer(writer, default_gguf)
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     table = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():

@@ -44,6 +44,21 @@ def _tokenizer_fields(default_gguf: str) -> dict:
     return f
 
 
+def add_default_tokenizer(writer, default_gguf: str) -> None:
+    """The default model's tokenizer (vocabulary, merges, special ids, chat template) and vocab size,
+    as every test GGUF carries it, so the engine loads the file like any GGUF."""
+    fields = _tokenizer_fields(default_gguf)
+    writer.add_vocab_size(len(fields["tokenizer.ggml.tokens"]))
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+    writer.add_chat_template(fields["tokenizer.chat_template"])
+
+
 def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 [n, row_bytes] of valid blocks of a K-quant: random bytes, small finite fp16 scales."""
     import gguf
@@ -104,18 +119,10 @@ def write_tiny_gguf(path: Path, default_gguf: str, types: dict[str, int], defaul
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
-    writer.add_token_list(fields["tokenizer.ggml.tokens"])
-    writer.add_token_types(fields["tokenizer.ggml.token_type"])
-    writer.add_token_merges(fields["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+    add_default_tokenizer(writer, default_gguf)
     writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
     writer.add_pad_token_id(fields["tokenizer.ggml.padding_token_id"])
     writer.add_add_bos_token(fields["tokenizer.ggml.add_bos_token"])
-    writer.add_chat_template(fields["tokenizer.chat_template"])
 
     def kind(name: str) -> int:
         return types.get(name, default_type)

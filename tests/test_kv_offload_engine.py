@@ -59,6 +59,16 @@ def _run(llm: LLM, ids: list[int], **kw):
     return out, (list(c.token_ids), [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs])
 
 
+def _written_and_closed(made: list[LLM], folder, directory, ids: list[int]) -> LLM:
+    """An engine that served `ids` writing through to the disk tier at `directory`, then closed (its
+    process gone, as far as the next engine on that directory can tell)."""
+    llm = _make(made, folder, kv_offload_dir=str(directory), kv_offload_policy="write_through")
+    _run(llm, ids)
+    llm.engine.close()
+    made.remove(llm)
+    return llm
+
+
 def _full_blocks(ids: list[int]) -> int:
     return (len(ids) - 1) // BS * BS
 
@@ -206,10 +216,7 @@ def test_a_full_disk_bounds_the_tier_and_costs_only_hits(tiny, tmp_path, engines
 
 def test_corrupted_truncated_and_foreign_entries_are_counted_misses(tiny, tmp_path, engines, cold) -> None:
     ids = _prompt(7)
-    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through")
-    _run(a, ids)
-    a.engine.close()
-    engines.remove(a)
+    a = _written_and_closed(engines, tiny, tmp_path, ids)
     tiering = a.engine.kv_tiering
     disk = tiering.store.tiers[0]
     keys = block_keys(ids[:-1], BS, _full_blocks(ids) // BS, tiering.fp)
@@ -247,11 +254,7 @@ def test_corrupted_truncated_and_foreign_entries_are_counted_misses(tiny, tmp_pa
 
 def test_abort_during_a_load_frees_everything(tiny, tmp_path, engines) -> None:
     ids = _prompt(8)
-    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through")
-    _run(a, ids)
-    a.engine.close()
-    engines.remove(a)
-
+    _written_and_closed(engines, tiny, tmp_path, ids)
     b = _make(engines, tiny, kv_offload_dir=str(tmp_path), max_num_seqs=1)
     e = b.engine
     # 1. aborted while its lookup runs (or right after it landed, before its blocks were taken)
@@ -280,10 +283,7 @@ def test_abort_during_a_load_frees_everything(tiny, tmp_path, engines) -> None:
 
 def test_a_burst_after_a_restart_reads_the_prefix_once(tiny, tmp_path, engines, cold) -> None:
     ids = _prompt(12)
-    a = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through")
-    _run(a, ids)
-    a.engine.close()
-    engines.remove(a)
+    _written_and_closed(engines, tiny, tmp_path, ids)
     b = _make(engines, tiny, kv_offload_dir=str(tmp_path), max_num_seqs=1)  # (one at a time: outputs comparable bit for bit)
     e = b.engine
     for i in range(4):

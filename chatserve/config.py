@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
@@ -163,6 +164,9 @@ class EngineArgs:
     weight_cache_dir: str | None = field(default=None, metadata={
         "help": "folder of the repacked-weight cache, created if missing (default: repacked-weights/ beside the "
                 "GGUF metadata cache: $CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve)"})
+    weight_cache_max_gb: float = field(default=20.0, metadata={
+        "help": "most GiB the repacked-weight cache folder holds; after a write the least recently used entries "
+                "are removed until it fits (an entry larger than this is not written)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model name clients send and see (default: from the model)"})
     kv_events_endpoint: str | None = field(default=None, metadata={
@@ -223,6 +227,9 @@ class EngineArgs:
         if self.cpu_kernel_tier != "auto" and not self.cpu_kernels:
             raise ValueError(f"cpu_kernel_tier={self.cpu_kernel_tier!r} asks for compiled kernels, but cpu_kernels is off")
         _check_weight_cache_dir(self.weight_cache, self.weight_cache_dir)
+        gb = self.weight_cache_max_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not (math.isfinite(gb) and gb > 0):
+            raise ValueError(f"weight_cache_max_gb must be a positive number of GiB, got {self.weight_cache_max_gb!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=1000)
     ap.add_argument("--decode", type=int, default=32, help="tokens per decode run")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--llamacpp", default="", metavar="PYTHON", help="also run scripts/llamacpp_bench.py on each file "
+                    "under this interpreter (e.g. .venv-llamacpp/bin/python), right after chatserve: one run, side by side")
     ap.add_argument("--gguf", nargs="*", default=[], help="also measure these files the same way (e.g. the Llama-shaped "
                     "1B of scripts/make_random_gguf.py, as a baseline)")
     args = ap.parse_args()
@@ -169,7 +171,22 @@ def main() -> int:
             "ops": llm.engine.runner.model.ops.describe(),
         }), flush=True)
         del llm
+        if args.llamacpp:
+            print(json.dumps({"family": family if config is not None else path.name,
+                              **llamacpp_numbers(args.llamacpp, path, args)}), flush=True)
     return 0
+
+
+def llamacpp_numbers(python: str, path: Path, args: argparse.Namespace) -> dict:
+    """llama.cpp on the same file, the same token ids and the same run counts (scripts/llamacpp_bench.py)."""
+    import subprocess
+
+    cmd = [python, os.path.join(ROOT, "scripts", "llamacpp_bench.py"), str(path), "--prefill", str(args.prefill),
+           "--decode", str(args.decode), "--runs", str(args.runs), "--threads", str(getattr(args, "threads", 2))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        return {"engine": "llama.cpp", "error": out.stderr.strip()[-500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ restarted server or a second replica gets.
 Replicas: two processes of the same model held side by side after their first token; each reports
 its /proc/self/smaps_rollup (Rss, Pss, Shared_Clean, Private_*): with the cache the weights are
 file-backed pages of the one entry, counted half in each Pss and as Shared_Clean.
+
+With `--llamacpp PYTHON` (e.g. .venv-llamacpp/bin/python), llama.cpp on the same file joins every
+round (scripts/llamacpp_bench.py --first-token: interpreter, `import llama_cpp`, `Llama(...)` with
+the file mapped, one greedy token) and its two replicas are measured the same way.
 """
 
 from __future__ import annotations
@@ -62,10 +66,18 @@ if sys.argv[4] == "hold":  # both replicas are up: report memory now, then wait 
 """
 
 
-def start(model: str, cache: bool, threads: int, hold: bool, env: dict) -> tuple[subprocess.Popen, float]:
+LLAMACPP = "llama.cpp"  # the `cache` value of a llama.cpp start
+
+
+def start(model: str, cache: bool | str, threads: int, hold: bool, env: dict) -> tuple[subprocess.Popen, float]:
+    if cache == LLAMACPP:
+        cmd = [env["BENCH_LLAMACPP_PYTHON"], os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_bench.py"),
+               model or env["BENCH_DEFAULT_MODEL"], "--first-token", "--threads", str(threads), *(["--hold"] if hold else [])]
+    else:
+        cmd = [sys.executable, "-c", CHILD, model, "1" if cache else "0", str(threads), "hold" if hold else "run"]
     t = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, model, "1" if cache else "0", str(threads), "hold" if hold else "run"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
     return proc, t
 
 
@@ -79,11 +91,15 @@ def read_report(proc: subprocess.Popen, t_start: float) -> dict:
     return report
 
 
-def one_start(model: str, cache: bool, threads: int, env: dict) -> dict:
+def one_start(model: str, cache: bool | str, threads: int, env: dict) -> dict:
     proc, t = start(model, cache, threads, False, env)
     report = read_report(proc, t)
     proc.wait()
     return report
+
+
+def label_of(cache: bool | str) -> str:
+    return cache if isinstance(cache, str) else f"cache {'on' if cache else 'off'}"
 
 
 def fmt(values: list[float]) -> str:
@@ -97,9 +113,17 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", default=None, help="CHATSERVE_CACHE_DIR for the children (default: a fresh temp dir)")
     p.add_argument("--replicas-only", action="store_true")
+    p.add_argument("--llamacpp", default="", metavar="PYTHON", help="also start llama.cpp on the same file in every "
+                   "round and as two replicas (scripts/llamacpp_bench.py under this interpreter)")
     args = p.parse_args()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench-load-")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATSERVE_CACHE_DIR": cache_dir}
+    kinds: list[bool | str] = [False, True]
+    if args.llamacpp:
+        from chatserve.models.loader import default_model_path
+
+        env["BENCH_LLAMACPP_PYTHON"], env["BENCH_DEFAULT_MODEL"] = args.llamacpp, str(default_model_path())
+        kinds.append(LLAMACPP)
     name = os.path.basename(args.model) or "default model"
 
     first = one_start(args.model, True, args.threads, env)  # converts the metadata (if new) and writes the entry
@@ -108,23 +132,27 @@ def main() -> int:
     print(f"{name}: first start (writes the entry): wall {first['wall_s']:.2f} s, load {first['load_s']:.2f} s, "
           f"status {first['status']}", flush=True)
     if not args.replicas_only:
-        runs: dict[bool, list[dict]] = {False: [], True: []}
+        runs: dict[bool | str, list[dict]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
-            for cache in (False, True):
+            for cache in kinds:
                 r = one_start(args.model, cache, args.threads, env)
                 runs[cache].append(r)
-                print(f"  cache={'on ' if cache else 'off'} wall {r['wall_s']:.2f} load {r['load_s']:.2f} "
-                      f"first token {r['first_token_s']:.2f} ({r['status']})", flush=True)
-        print(f"\n| {name}, {args.threads} threads | cache off (today) | cache on (mapped) |\n|---|---|---|")
+                print(f"  {label_of(cache)}: wall {r['wall_s']:.2f} load {r['load_s']:.2f} ({r['status']})", flush=True)
+        llamacpp_col = " llama.cpp (mapped GGUF) |" if args.llamacpp else ""
+        print(f"\n| {name}, {args.threads} threads | cache off (today) | cache on (mapped) |{llamacpp_col}\n"
+              f"|---|---|---|{'---|' if args.llamacpp else ''}")
         for key, label in (("wall_s", "process start to first token (s)"), ("engine_s", "LLM(...) (s)"),
                            ("load_s", "model weights load (s)"), ("first_token_s", "first token after load (s)"),
                            ("decode_tok_s", "then decode, 1 stream (tok/s, incl. a short prefill)")):
-            print(f"| {label} | {fmt([r[key] for r in runs[False]])} | {fmt([r[key] for r in runs[True]])} |")
-        for cache in (False, True):
+            cells = [fmt([r[key] for r in runs[k]]) if key in runs[k][0] else "" for k in kinds]
+            if key == "load_s" and args.llamacpp:
+                cells[-1] += " (`Llama(...)`)"
+            print(f"| {label} | {' | '.join(cells)} |")
+        for cache in kinds:
             rss = [r["smaps"]["Rss"] / 1024 for r in runs[cache]]
-            print(f"  RSS after the first token, cache {'on' if cache else 'off'}: {statistics.median(rss):.0f} MiB")
+            print(f"  RSS after the first token, {label_of(cache)}: {statistics.median(rss):.0f} MiB")
 
-    for cache in (False, True):
+    for cache in kinds:
         procs = [start(args.model, cache, args.threads, True, env) for _ in range(2)]
         reports = [read_report(proc, t) for proc, t in procs]
         for (proc, _), r in zip(procs, reports):
@@ -135,7 +163,7 @@ def main() -> int:
             proc.stdin.write("\n")
             proc.stdin.flush()
             proc.wait()
-        print(f"\ntwo replicas, cache {'on' if cache else 'off'} ({', '.join(r['status'] for r in reports)}), MiB each:")
+        print(f"\ntwo replicas, {label_of(cache)} ({', '.join(r['status'] for r in reports)}), MiB each:")
         print("| replica | Rss | Pss | Shared_Clean | Private_Clean | Private_Dirty |\n|---|---|---|---|---|---|")
         for i, r in enumerate(reports):
             s = r["smaps"]

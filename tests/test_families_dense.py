@@ -293,7 +293,7 @@ def test_gguf_tensor_names_and_keys(family_gguf):
     factors as tensors; Gemma 2's four norms a layer and its soft-cap keys."""
     import mmap
 
-    from chatserve.models.gguf import read_gguf_header
+    from chatserve.models.gguf_header import read_gguf_header
 
     def header(path):
         with open(path, "rb") as f:

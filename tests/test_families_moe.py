@@ -247,7 +247,7 @@ def _header(tmp_path: Path, arch: str, fields: dict, routers: list[int], layers:
     import gguf
     import numpy as np
 
-    from chatserve.models.gguf import read_gguf_header
+    from chatserve.models.gguf_header import read_gguf_header
 
     path = tmp_path / f"{arch}.gguf"
     w = gguf.GGUFWriter(str(path), arch)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from chatserve.models.gguf import iter_gguf_weights, read_gguf_header
+from chatserve.models.gguf import iter_gguf_weights
+from chatserve.models.gguf_header import read_gguf_header
 
 gguf = pytest.importorskip("gguf")
 

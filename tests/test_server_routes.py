@@ -26,7 +26,7 @@ from chatserve.sessions import InMemorySessionStore, SessionStoreUnavailable
 from .helpers.asgi import app_client
 from .helpers.errors import assert_error
 from .helpers.fake_engine import FakeEngine
-from .helpers.streams import parse_sse_lines
+from .helpers.streams import blank_line_messages, parse_sse_lines
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -54,8 +54,8 @@ def sse(resp: httpx.Response) -> list[tuple[str | None, str]]:
 
 
 def chunks(events: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
-    """The JSON chunks of a stream that ended with [DONE], after checking ids count 0, 1, 2, ... (sequence numbers)"""
-    assert [eid for eid, _ in events] == [str(i) for i in range(len(events))], events
+    """The JSON chunks of a plain stream that ended with [DONE], after checking it has no `id:` lines (as OpenAI's)"""
+    assert [eid for eid, _ in events] == [None] * len(events), events
     assert events[-1][1] == "[DONE]", events[-1]
     return [json.loads(data) for _, data in events[:-1]]
 
@@ -418,7 +418,7 @@ async def test_turn_that_cannot_be_stored_ends_the_stream_with_an_error_event(en
         streamed = await client.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi"})
         plain = await client.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi", "stream": False})
     events = sse(streamed)
-    assert [eid for eid, _ in events] == [str(i) for i in range(len(events))]
+    assert [eid for eid, _ in events] == [None] * len(events)
     assert "[DONE]" not in [data for _, data in events]
     assert json.loads(events[-1][1])["error"]["code"] == "session_store_unavailable"
     assert_error(plain, 503, code="session_store_unavailable")  # the lock was released: not 409
@@ -586,7 +586,7 @@ async def _drive_stream(app: Any, path: str, body: dict[str, Any], until: Any) -
     return pieces, task
 
 
-@pytest.mark.parametrize("route", ["chat", "completions", "session"])
+@pytest.mark.parametrize("route", ["chat", "completions", "session", "resumable"])
 async def test_keepalives_between_events_do_not_become_events_for_the_sdk(smollm_tokenizer, route) -> None:
     from openai._streaming import SSEDecoder
 
@@ -595,7 +595,9 @@ async def test_keepalives_between_events_do_not_become_events_for_the_sdk(smollm
     app = create_app(engine, store, ServerSettings(serve_web=False, sse_keepalive_s=0.005))
     path, body = {"chat": ("/v1/chat/completions", {**CHAT, "stream": True}),
                   "completions": ("/v1/completions", {"prompt": "Hi", "stream": True}),
-                  "session": ("/v1/sessions/{sid}/messages", {"content": "Hi"})}[route]
+                  "session": ("/v1/sessions/{sid}/messages", {"content": "Hi"}),
+                  "resumable": ("/v1/chat/completions",
+                                {**CHAT, "stream": True, "stream_options": {"resumable": True}})}[route]
     if route == "session":
         sid = (await store.create(system_prompt=None, metadata={}, ttl_seconds=None, defaults={},
                                   model=engine.model_name)).id
@@ -603,7 +605,7 @@ async def test_keepalives_between_events_do_not_become_events_for_the_sdk(smollm
 
     def keepalives_after_the_first_event(pieces: list[bytes]) -> int:
         lines = b"".join(pieces).decode().split("\r\n")
-        first = next((i for i, line in enumerate(lines) if line.startswith("id:")), len(lines))
+        first = next((i for i, line in enumerate(lines) if line.startswith("data:")), len(lines))
         return sum(line.startswith(":") for line in lines[first:])
 
     pieces, task = await _drive_stream(app, path, body, lambda p: keepalives_after_the_first_event(p) >= 3)
@@ -617,5 +619,11 @@ async def test_keepalives_between_events_do_not_become_events_for_the_sdk(smollm
     for ev in events[:-1]:
         json.loads(ev.data)  # what the SDK does with every event: an empty one was the bug
     assert len(events) == len([line for line in lines if line.startswith("data:")])
-    # Every event carries its id, its sequence number 0, 1, 2, ... (as a resumable stream's log numbers them)
-    assert [ev.id for ev in events] == [str(i) for i in range(len(events))]
+    if route == "resumable":  # numbered: every event has its sequence number, what Last-Event-ID sends back
+        assert [ev.id for ev in events] == [str(i) for i in range(len(events))]
+        assert not any(line == "" and prev.startswith(":") for prev, line in zip(lines, lines[1:]))
+        return
+    # A plain stream is framed as OpenAI frames it: no ids, every message one data line, keepalives
+    # whole messages of their own, so a reader that splits at blank lines (vLLM's client) reads it too.
+    assert all(ev.id is None for ev in events)
+    assert blank_line_messages(raw.decode()) == [ev.data for ev in events]

@@ -58,7 +58,8 @@ def hf_config(tiny):
                        architectures=["LlamaForCausalLM"])
 
 
-def _runner(path: Path, hf_config, cache_dir: Path | None, tier: str | None, quantization: str = "auto") -> ModelRunner:
+def _runner(path: Path, hf_config, cache_dir: Path | None, tier: str | None, quantization: str = "auto",
+            max_bytes: int = 2**40) -> ModelRunner:
     """A model runner as the engine builds one; tier None: float32 through torch (no kernels)."""
     dtype = torch.float32 if tier is None else torch.bfloat16
     cfg = ModelConfig.from_hf(hf_config)
@@ -66,7 +67,7 @@ def _runner(path: Path, hf_config, cache_dir: Path | None, tier: str | None, qua
     ops = select_layer_ops(dtype=dtype, device=torch.device("cpu"), attention_backend="auto", cpu_kernels=tier is not None,
                            amx=True, head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                            quantization=quantization, is_gguf=source.is_gguf, cpu_kernel_tier=tier or "auto")
-    cache = WeightCacheConfig(cache_dir is not None, str(cache_dir) if cache_dir is not None else None)
+    cache = WeightCacheConfig(cache_dir is not None, str(cache_dir) if cache_dir is not None else None, max_bytes)
     return ModelRunner(source, hf_config, cfg, CacheConfig(16, 8), dtype, torch.device("cpu"),
                        max_model_len=64, ops=ops, weight_cache=cache)
 
@@ -164,6 +165,41 @@ def test_each_tier_and_dtype_has_its_own_entry(tiny, hf_config, tmp_path):
     for tier, first in zip(tiers, entries):
         again = _runner(tiny, hf_config, tmp_path, tier).weight_cache
         assert (again.status, again.path) == ("hit", first.path)
+
+
+def test_the_cache_folder_is_bounded_least_recently_used_first(tiny, hf_config, tmp_path):
+    """Three models' entries in a folder bounded to two and a half of them: the least recently used
+    (by mtime, which a hit refreshes) goes, never the one just written; an entry larger than the
+    whole bound is not written and that start keeps its weights in memory, correct."""
+    sources = []
+    for name in "abc":
+        copy = tmp_path / f"{name}.gguf"
+        shutil.copyfile(tiny, copy)
+        sources.append(copy)
+    cache = tmp_path / "cache"
+    first = _runner(sources[0], hf_config, cache, None)
+    size = first.weight_cache.path.stat().st_size
+    bound = int(2.5 * size)
+    paths = [first.weight_cache.path]
+    for src in sources[1:]:
+        for j, p in enumerate(paths):
+            os.utime(p, (1_000_000 + j, 1_000_000 + j))  # a, then b: oldest first, whatever the clock's resolution
+        built = _runner(src, hf_config, cache, None, max_bytes=bound).weight_cache
+        assert built.status == "built"
+        paths.append(built.path)
+    a, b, c = paths
+    assert not a.exists() and b.exists() and c.exists()  # a was the least recently used
+    assert not (a.parent / f"{a.name}.lock").exists()
+    os.utime(b, (1_000_000, 1_000_000))
+    os.utime(c, (1_000_001, 1_000_001))
+    assert _runner(sources[1], hf_config, cache, None, max_bytes=bound).weight_cache.status == "hit"  # b used now
+    again = _runner(sources[0], hf_config, cache, None, max_bytes=bound).weight_cache
+    assert again.status == "built" and a.exists() and b.exists() and not c.exists()  # c was, after the hit on b
+
+    too_small = _runner(sources[2], hf_config, cache, None, max_bytes=size // 2)
+    assert too_small.weight_cache.status == "not-written" and "weight-cache-max-gb" in too_small.weight_cache.reason
+    assert not c.exists() and a.exists() and b.exists()  # nothing was evicted for an entry that was not written
+    _assert_same_weights(too_small, _runner(sources[2], hf_config, None, None))
 
 
 def _best_tier() -> str | None:
@@ -318,6 +354,9 @@ def test_bad_weight_cache_dir_is_an_error_naming_the_field(tmp_path):
     for value in (str(a_file), str(a_file / "below"), ""):
         with pytest.raises(ValueError, match="weight_cache_dir"):
             EngineArgs(weight_cache_dir=value)
+    for gb in (0, -1, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="weight_cache_max_gb"):
+            EngineArgs(weight_cache_max_gb=gb)
     with pytest.raises(ValueError, match="weight_cache_dir.*weight_cache is off"):
         EngineArgs(weight_cache=False, weight_cache_dir=str(tmp_path))
     EngineArgs(weight_cache_dir=str(tmp_path / "new" / "folder"))  # made at load
@@ -329,6 +368,8 @@ def test_the_flags_reach_the_engine_args():
 
     args = options_from_args(EngineArgs, parse_args(["serve", "--no-weight-cache"], environ={}))
     assert args.weight_cache is False and args.weight_cache_dir is None
+    args = options_from_args(EngineArgs, parse_args(["serve", "--weight-cache-max-gb", "2.5"], environ={}))
+    assert args.weight_cache_max_gb == 2.5
     args = options_from_args(EngineArgs, parse_args(["serve", "--weight-cache-dir", "/tmp/x"], environ={}))
     assert args.weight_cache_dir == "/tmp/x" and args.weight_cache is True
     env = {"CHATSERVE_WEIGHT_CACHE": "0"}

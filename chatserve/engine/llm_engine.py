@@ -117,7 +117,8 @@ class LLMEngine:
         self.attention_backend = ops.attention.name  # "torch", "cpu" or "triton"
         self.runner = ModelRunner(
             self.source, self.hf_config, cfg, cache_cfg, self.dtype, self.device, max_model_len=max_len, ops=ops,
-            weight_cache=WeightCacheConfig(args.weight_cache, args.weight_cache_dir),
+            weight_cache=WeightCacheConfig(args.weight_cache, args.weight_cache_dir,
+                                           int(args.weight_cache_max_gb * 2**30)),
         )
         logger.info("weight cache: %s", self.runner.weight_cache.describe())
         self.runner.eos_token_ids = tuple(self.eos_token_ids)

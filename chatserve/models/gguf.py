@@ -16,22 +16,16 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
+from chatserve.models.gguf_header import GGUFHeader, GGUFTensorInfo, raw_array, read_gguf_header
+from chatserve.models.gguf_moe import EXPERT_PLACEHOLDER, MOE_MODEL_TYPES, moe_tensor_names
+
 logger = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-
-# GGUF metadata value types -> struct format of one scalar.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
 
 # GGUF architectures we map, and whether transformers un-permutes their q/k (llama.cpp permutes
 # q/k rows of llama-arch models for its rotary layout; qwen2/qwen3 are stored as in HF).
@@ -42,130 +36,6 @@ SUPPORTED_ARCHS = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": Fa
 _NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _QK_NORM_ARCHS = frozenset({"qwen3", "qwen3moe", "olmoe", "gemma3"})  # GGUF / HF model types with q/k norms
 _QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "olmoe", "gemma3_text"})
-
-
-class GGUFArray(NamedTuple):
-    """A metadata array left in the file: we record where it is, not its elements."""
-
-    elem_type: int
-    count: int
-    offset: int
-
-
-class GGUFTensorInfo(NamedTuple):
-    name: str
-    shape: tuple[int, ...]  # numpy order (slowest-varying first), i.e. GGUF dims reversed
-    ggml_type: int
-    offset: int  # absolute byte offset in the file
-    n_bytes: int
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    version: int
-    metadata: dict[str, Any]  # scalars and strings decoded; arrays as GGUFArray
-    tensors: tuple[GGUFTensorInfo, ...]
-    data_offset: int
-
-
-class _Cursor:
-    """Sequential little-endian reads over a buffer."""
-
-    def __init__(self, buf: Any, offset: int = 0) -> None:
-        self.buf = buf
-        self.pos = offset
-
-    def unpack(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        start = self.pos
-        self.pos += n
-        return bytes(self.buf[start : self.pos]).decode("utf-8", errors="replace")
-
-    def skip_strings(self, count: int) -> None:
-        buf, pos, unpack_from = self.buf, self.pos, struct.unpack_from
-        for _ in range(count):
-            pos += 8 + unpack_from("<Q", buf, pos)[0]
-        self.pos = pos
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            elem_type, count = self.unpack("<I"), self.unpack("<Q")
-            arr = GGUFArray(elem_type, count, self.pos)
-            self.skip_array(elem_type, count)
-            return arr
-        fmt = _SCALAR_FORMATS.get(vtype)
-        if fmt is None:
-            raise ValueError(f"corrupt GGUF: unknown metadata value type {vtype} at byte {self.pos}")
-        return self.unpack(fmt)
-
-    def skip_array(self, elem_type: int, count: int) -> None:
-        if elem_type == _STRING:
-            self.skip_strings(count)
-        elif elem_type == _ARRAY:
-            for _ in range(count):
-                self.skip_array(self.unpack("<I"), self.unpack("<Q"))
-        elif elem_type in _SCALAR_FORMATS:
-            self.pos += count * struct.calcsize(_SCALAR_FORMATS[elem_type])
-        else:
-            raise ValueError(f"corrupt GGUF: unknown array element type {elem_type} at byte {self.pos}")
-
-
-def read_gguf_header(buf: Any) -> GGUFHeader:
-    """Parse magic, metadata and tensor infos from a buffer holding a GGUF file (e.g. an mmap)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    if bytes(buf[:4]) != GGUF_MAGIC:
-        raise ValueError(f"not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})")
-    cur = _Cursor(buf, 4)
-    version = cur.unpack("<I")
-    if version not in (2, 3):
-        raise ValueError(f"unsupported GGUF version {version}; only v2 and v3 are readable")
-    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
-    raw_infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.unpack("<I")
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, cur.pos)
-        cur.pos += 8 * n_dims
-        raw_infos.append((name, dims, cur.unpack("<I"), cur.unpack("<Q")))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-    data_offset = -(-cur.pos // alignment) * alignment
-    tensors = []
-    for name, dims, ggml_type, rel_offset in raw_infos:
-        try:
-            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        except (ValueError, KeyError):
-            raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, unknown to the installed gguf package") from None
-        n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
-        tensors.append(
-            GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_offset + rel_offset, n_elems * type_size // block_size)
-        )
-    return GGUFHeader(version, metadata, tuple(tensors), data_offset)
-
-
-def _raw_array(buf: Any, info: GGUFTensorInfo) -> np.ndarray:
-    """The tensor's bytes as ``GGUFReader`` exposes them: typed for plain types, uint8 rows for quantised."""
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import quant_shape_to_byte_shape
-
-    plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16, T.I32: np.int32, T.I64: np.int64}
-    qtype = T(info.ggml_type)
-    if qtype in plain:
-        dtype = np.dtype(plain[qtype])
-        return np.frombuffer(buf, dtype=dtype, count=info.n_bytes // dtype.itemsize, offset=info.offset).reshape(info.shape)
-    raw = np.frombuffer(buf, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
-    return raw.reshape(quant_shape_to_byte_shape(info.shape, qtype))
 
 
 def _expected_hf_names(hf_config: Any, n_layers: int, gguf_arch: str = "llama") -> list[str]:
@@ -207,9 +77,7 @@ def gguf_to_hf_names(gguf_arch: str, hf_config: Any, n_layers: int) -> dict[str,
     table = get_tensor_name_map(arch, n_layers)
     has_qk_norm = gguf_arch in _QK_NORM_ARCHS or getattr(hf_config, "model_type", "") in _QK_NORM_TYPES
     mapping: dict[str, str] = {}
-    if getattr(hf_config, "model_type", "") in ("qwen3_moe", "mixtral", "olmoe"):  # routers and stacked experts
-        from chatserve.models.gguf_moe import moe_tensor_names
-
+    if getattr(hf_config, "model_type", "") in MOE_MODEL_TYPES:  # routers and stacked experts
         mapping.update(moe_tensor_names(n_layers))
     for hf_base in _expected_hf_names(hf_config, n_layers, gguf_arch):
         if not has_qk_norm and hf_base.endswith(("q_norm", "k_norm")):
@@ -310,7 +178,7 @@ def _iter_tensors(path: str, buf: mmap.mmap, hf_config: Any, dtype: torch.dtype,
         if info.ggml_type in keep_qtypes and _keeps_blocks(hf_name, info, hf_config):
             yield hf_name, _quantized(buf, info, unpermute, n_head, n_kv_head)
             continue
-        weights = dequantize(_raw_array(buf, info), GGMLQuantizationType(info.ggml_type))
+        weights = dequantize(raw_array(buf, info), GGMLQuantizationType(info.ggml_type))
         if arch in _NORM_PLUS_ONE and "norm.weight" in info.name:
             weights = weights - 1  # as transformers' Gemma2TensorProcessor
         if unpermute and ".attn_q." in info.name:
@@ -329,7 +197,7 @@ def _quantized(buf: mmap.mmap, info: GGUFTensorInfo, unpermute: bool, n_head: An
     """The tensor's blocks as a `QuantizedTensor` (uint8 rows copied out of the mmap, q/k rows un-permuted)."""
     from chatserve.layers.quantized_linear import QuantizedTensor
 
-    raw = _raw_array(buf, info)  # uint8 [N, row_bytes], a view of the mmap
+    raw = raw_array(buf, info)  # uint8 [N, row_bytes], a view of the mmap
     if unpermute and ".attn_q." in info.name:
         raw = _unpermute_qk(raw, int(n_head))
     elif unpermute and ".attn_k." in info.name:
@@ -344,11 +212,10 @@ def _experts(buf: mmap.mmap, info: GGUFTensorInfo, hf_name: str, dtype: torch.dt
     from gguf import GGMLQuantizationType, dequantize
 
     from chatserve.layers.quantized_linear import QuantizedTensor
-    from chatserve.models.gguf_moe import EXPERT_PLACEHOLDER
 
     if len(info.shape) != 3:
         raise ValueError(f"GGUF tensor {info.name!r} has shape {info.shape}; stacked experts are [experts, rows, cols]")
-    raw = _raw_array(buf, info)
+    raw = raw_array(buf, info)
     _, n, k = info.shape
     for e in range(info.shape[0]):
         name = hf_name.replace(EXPERT_PLACEHOLDER, str(e))

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from chatserve.models.gguf import GGUFHeader, _raw_array, read_gguf_header
+from chatserve.models.gguf_header import GGUFHeader, raw_array, read_gguf_header
 
 GEMMA_ARCHS = ("gemma2", "gemma3")
 
@@ -80,8 +80,8 @@ def _complete_phi3(config: Any, header: GGUFHeader, buf: Any) -> None:
             raise ValueError("phi3 GGUF has long-rope factors but no phi3.rope.scaling.original_context_length")
         params.update({
             "rope_type": "longrope",
-            "long_factor": [float(x) for x in np.asarray(_raw_array(buf, factors["rope_factors_long.weight"]), dtype=np.float32)],
-            "short_factor": [float(x) for x in np.asarray(_raw_array(buf, factors["rope_factors_short.weight"]), dtype=np.float32)],
+            "long_factor": [float(x) for x in np.asarray(raw_array(buf, factors["rope_factors_long.weight"]), dtype=np.float32)],
+            "short_factor": [float(x) for x in np.asarray(raw_array(buf, factors["rope_factors_short.weight"]), dtype=np.float32)],
             "original_max_position_embeddings": int(original),
         })
         if "phi3.rope.scaling.attn_factor" in md:

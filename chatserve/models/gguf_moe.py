@@ -27,7 +27,7 @@ import mmap
 from collections.abc import Iterator
 from typing import Any
 
-from chatserve.models.gguf import GGUFHeader, read_gguf_header
+from chatserve.models.gguf_header import GGUFHeader, read_gguf_header
 
 # llama.cpp architecture -> (HF model_type, HF architecture, renormalises the top-k weights by default).
 # Mixtral is "llama" with experts; llama.cpp's build_moe_ffn(norm_w) choice per architecture.
@@ -38,6 +38,8 @@ MOE_GGUF_ARCHS: dict[str, tuple[str, str, bool]] = {
 }
 
 # llama.cpp's names of a MoE layer's router and stacked experts -> ours (FusedMoE's, models/llama.py)
+MOE_MODEL_TYPES = frozenset(model_type for model_type, _, _ in MOE_GGUF_ARCHS.values())
+
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 EXPERT_PLACEHOLDER = "{expert}"  # in a mapped name: the tensor holds every expert, cut along its first dim
 

@@ -22,6 +22,12 @@ an error and never a wrong weight):
   description (kernel tier, AMX, GGUF blocks or int8), the kernel tier of the other ops and the GGUF
   types kept in blocks. This also names the file, so one model's tiers sit side by side.
 
+The folder is bounded (`--weight-cache-max-gb`): after an entry is written, the least recently
+used entries (by mtime, which every hit refreshes) are removed until the folder fits, never the
+one just written; an entry larger than the whole bound is not written at all (that start keeps
+its weights in private memory, and says so). Removing an entry another process has mapped is safe:
+its pages stay until that process unmaps them.
+
 Writes go to a temporary file renamed into place, under an flock held for the whole build, so of
 several processes starting at once one builds and the others wait and then map its file; a writer
 killed half-way leaves a temporary file that the next builder removes, never a half entry.
@@ -83,6 +89,7 @@ class WeightCacheConfig:
 
     enabled: bool = True
     directory: str | None = None  # None: beside the GGUF metadata cache (`default_cache_dir`)
+    max_bytes: int = 20 * 2**30  # the folder's entries together; the least recently used go first
 
     def resolved_dir(self) -> Path:
         return Path(self.directory).expanduser() if self.directory else default_cache_dir()
@@ -148,7 +155,7 @@ def _file_fingerprint(path: Path, header_bytes: Callable[[Any], int]) -> dict[st
 
 
 def _gguf_header_end(buf: Any) -> int:
-    from chatserve.models.gguf import read_gguf_header
+    from chatserve.models.gguf_header import read_gguf_header
 
     return read_gguf_header(buf).data_offset
 
@@ -288,8 +295,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
-def write_entry(path: Path, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-    """Write the entry to a temporary file beside `path` and rename it into place (the caller holds the lock)."""
+def write_entry(path: Path, header: dict[str, Any], tensors: list[torch.Tensor], *, max_bytes: int | None = None) -> None:
+    """Write the entry to a temporary file beside `path` and rename it into place (the caller holds the
+    lock); then, with `max_bytes`, evict the least recently used other entries until the folder fits."""
     records: list[dict[str, Any]] = []
     offset = 0
     for t in tensors:
@@ -300,6 +308,9 @@ def write_entry(path: Path, header: dict[str, Any], tensors: list[torch.Tensor])
     body = json.dumps({**header, "tensors": records, "data_nbytes": offset}, sort_keys=True).encode()
     data_start = _align(_PREAMBLE.size + len(body), _DATA_ALIGN)
     total = data_start + offset
+    if max_bytes is not None and total > max_bytes:
+        raise OSError(f"the entry needs {total / 2**30:.2f} GiB, more than the whole cache may hold "
+                      f"({max_bytes / 2**30:.2f} GiB, --weight-cache-max-gb)")
     free = shutil.disk_usage(path.parent).free
     if free < total + _FREE_MARGIN:
         raise OSError(f"{free / 2**30:.1f} GiB free on {path.parent}, the entry needs {total / 2**30:.2f} GiB + a margin")
@@ -316,6 +327,33 @@ def write_entry(path: Path, header: dict[str, Any], tensors: list[torch.Tensor])
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if max_bytes is not None:
+        evict_to_fit(path.parent, max_bytes, keep=path)
+
+
+def evict_to_fit(directory: Path, max_bytes: int, *, keep: Path) -> list[Path]:
+    """Remove the least recently used entries (oldest mtime first) of `directory` until its entries
+    fit in `max_bytes`; `keep` is never removed. Returns what was removed. An entry that vanishes
+    meanwhile (another process evicting too) is skipped."""
+    entries = []
+    for entry in directory.glob(f"*{ENTRY_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            st = entry.stat()
+            entries.append((st.st_mtime, st.st_size, entry))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, entry in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        if entry == keep:
+            continue
+        entry.unlink(missing_ok=True)
+        (entry.parent / f"{entry.name}.lock").unlink(missing_ok=True)
+        total -= size
+        removed.append(entry)
+        logger.info("weight cache: removed %s (%.2f GiB; the cache holds at most %.2f GiB)", entry, size / 2**30,
+                    max_bytes / 2**30)
+    return removed
 
 
 @dataclass
@@ -483,7 +521,7 @@ def load_weights_cached(model: nn.Module, fill: Callable[[], None], *, config: W
             return WeightCacheResult("unsupported", reason=captured)
         header = {"identity": identity, "validity": validity, "layout": captured.layout}
         try:
-            write_entry(path, header, captured.tensors)
+            write_entry(path, header, captured.tensors, max_bytes=config.max_bytes)
         except OSError as exc:
             logger.warning("weight cache entry %s not written (%s): this start keeps its own copy of the weights", path, exc)
             return WeightCacheResult("not-written", path, str(exc))
@@ -504,6 +542,8 @@ def load_weights_cached(model: nn.Module, fill: Callable[[], None], *, config: W
 
 
 def _restore_fresh(model: nn.Module, entry: MappedEntry, path: Path) -> WeightCacheResult:
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used now: the last entry the size bound evicts
     try:
         restore(model, entry.header["layout"], entry.views)
     except WeightCacheError as exc:

@@ -33,6 +33,21 @@ def parse_sse_lines(lines: Iterable[str]) -> list[tuple[str | None, str]]:
     return events
 
 
+def blank_line_messages(raw: str) -> list[str]:
+    """The data of each message as a reader that splits the stream at blank lines reads it (vLLM's
+    benchmark client, many hand-written ones): every message must be one `data:` line, or comments
+    only (a keepalive), which it skips. Anything else (an `id:` line, a comment glued to the next
+    event) fails here, as it fails there."""
+    out = []
+    for message in raw.replace("\r\n", "\n").split("\n\n"):
+        lines = [line for line in message.split("\n") if line]
+        if not lines or all(line.startswith(":") for line in lines):
+            continue
+        assert len(lines) == 1 and lines[0].startswith("data: "), f"not one data line: {message!r}"
+        out.append(lines[0][len("data: "):])
+    return out
+
+
 def sse_events(resp: httpx.Response) -> list[tuple[str | None, str]]:
     return parse_sse_lines(resp.iter_lines())
 

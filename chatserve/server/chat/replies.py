@@ -26,7 +26,7 @@ from chatserve.server.context import ServerContext
 from chatserve.server.errors import APIError, bad_request, error_body
 from chatserve.server.streams.resume import RESUME_HEADER, follow_sse, resume_path
 from chatserve.server.streams.runs import DisconnectPolicy
-from chatserve.server.streams.sse import SSECounter, run_or_disconnect, sse_response
+from chatserve.server.streams.sse import data_event, run_or_disconnect, sse_response
 
 # on_end(completed): runs once when a stream ends; raising APIError (completed only) replaces [DONE].
 OnEnd = Callable[[bool], Awaitable[None]]
@@ -46,33 +46,32 @@ async def stream_events(
     usage chunk; an APIError it raises becomes the last event instead of [DONE]. If the stream
     ends any other way (disconnect, dead engine), `on_end(False)` runs in the background.
     """
-    sse = SSECounter()
     completed = False
     try:
         for choice in fmt.opening_choices(len(acc.choices)):
-            yield sse.event(fmt.chunk([choice], include_usage))
+            yield data_event(fmt.chunk([choice], include_usage))
         try:
             async for deltas in gen.deltas():
                 for d in deltas:
                     acc.add(d)
                     if d.finish_reason == "error":  # e.g. a grammar that failed mid-generation: this request only
-                        yield sse.event(generation_error(d.error).body())
+                        yield data_event(generation_error(d.error).body())
                         return
                     for choice in fmt.delta_choices(d):
-                        yield sse.event(fmt.chunk([choice], include_usage))
+                        yield data_event(fmt.chunk([choice], include_usage))
         except EngineDeadError as exc:
-            yield sse.event(error_body(503, str(exc), code="engine_dead"))
+            yield data_event(error_body(503, str(exc), code="engine_dead"))
             return
         completed = True
         if on_end is not None:
             try:
                 await on_end(True)
             except APIError as exc:
-                yield sse.event(exc.body())
+                yield data_event(exc.body())
                 return
         if include_usage:
-            yield sse.event(fmt.chunk([], True, gen.usage))
-        yield sse.event("[DONE]")
+            yield data_event(fmt.chunk([], True, gen.usage))
+        yield data_event("[DONE]")
     finally:
         if not gen.finished:
             gen.close("client_disconnect")
@@ -126,7 +125,7 @@ def logged_stream(ctx: ServerContext, run_id: str, events: AsyncIterator[dict[st
 
     async def payloads() -> AsyncIterator[dict[str, Any]]:
         async for event in events:
-            yield {"data": event["data"]}  # the log numbers events itself
+            yield event  # plain events: the log numbers them itself
 
     try:
         ctx.runs.start(run_id, payloads(), policy=policy, on_abort=gen.close)
@@ -134,4 +133,4 @@ def logged_stream(ctx: ServerContext, run_id: str, events: AsyncIterator[dict[st
         gen.close("client_disconnect")
         raise APIError(409, str(exc), param="X-Request-Id", code="duplicate_request_id") from None
     return sse_response(follow_sse(ctx.runs, run_id, -1), keepalive_s=ctx.settings.sse_keepalive_s,
-                        headers={**headers, RESUME_HEADER: resume_path(run_id)})
+                        headers={**headers, RESUME_HEADER: resume_path(run_id)}, numbered=True)

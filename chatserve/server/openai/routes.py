@@ -84,7 +84,7 @@ async def respond(request: Request, ctx: ServerContext, body: ChatCompletionRequ
         events = stream_events(gen, acc, fmt, include_usage=include_usage)
         if policy is not None:
             return logged_stream(ctx, fmt.cid, events, policy=policy, gen=gen, headers=headers)
-        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
+        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers, numbered=False)
     await collect_reply(request, gen, acc)
     return JSONResponse(fmt.reply(acc, gen.usage), headers=headers)
 
@@ -159,7 +159,7 @@ async def resume_stream(request: Request) -> Response:
     if info.ended is not None and after >= info.next_seq:
         raise bad_request(f"{param} {after} is beyond the stream's last event ({info.next_seq - 1})", param=param)
     return sse_response(follow_sse(ctx.runs, run_id, after), keepalive_s=ctx.settings.sse_keepalive_s,
-                        headers={"X-Request-Id": run_id.split("-", 1)[1]})
+                        headers={"X-Request-Id": run_id.split("-", 1)[1]}, numbered=True)
 
 
 def routes() -> list[Route]:

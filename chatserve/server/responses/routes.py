@@ -169,7 +169,8 @@ async def create_response(request: Request) -> Response:
     if policy.mode == "detach":
         return await _start_detached(ctx, run, policy, headers)
     if body.stream:
-        return sse_response(_sse(ctx, run), keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
+        return sse_response(_sse(ctx, run), keepalive_s=ctx.settings.sse_keepalive_s, headers=headers,
+                            numbered=False)
 
     async def collect() -> None:
         async for _ in run.events():
@@ -191,11 +192,12 @@ def _responses_param(param: str) -> str:
 
 
 async def _sse(ctx: ServerContext, run: ResponseRun) -> AsyncIterator[dict[str, Any]]:
-    """A foreground run's typed events as SSE: `event:` the type, `id:` the sequence number. A client
+    """A foreground run's typed events as SSE, framed as OpenAI frames them: `event:` the type and the
+    data (its `sequence_number` is in the data; no `id:`, as the stream cannot be resumed). A client
     that leaves aborts the run, which is then stored as cancelled."""
     try:
         async for event in run.events():
-            yield {"event": event["type"], "id": str(event["sequence_number"]), "data": dumps(event)}
+            yield {"event": event["type"], "data": dumps(event)}
     finally:
         if run.final is None:
             ctx.spawn(run.abandoned())
@@ -240,7 +242,8 @@ async def _start_detached(ctx: ServerContext, run: ResponseRun, policy: Disconne
         await run.gen.cancel("engine")
         raise APIError(409, str(exc), code="duplicate_request_id") from None
     if run.body.stream:
-        return sse_response(_follow(ctx, run.id, -1), keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
+        return sse_response(_follow(ctx, run.id, -1), keepalive_s=ctx.settings.sse_keepalive_s, headers=headers,
+                            numbered=True)
     return JSONResponse(run.snapshot(), headers=headers)
 
 
@@ -269,7 +272,7 @@ async def get_response(request: Request) -> Response:
     if after < -1:
         raise bad_request("starting_after must be >= -1", param="starting_after")
     return sse_response(_follow(ctx, rid, after), keepalive_s=ctx.settings.sse_keepalive_s,
-                        headers={"X-Request-Id": rid})
+                        headers={"X-Request-Id": rid}, numbered=True)
 
 
 async def _has_log(ctx: ServerContext, rid: str) -> bool:

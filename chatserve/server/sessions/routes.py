@@ -247,7 +247,7 @@ async def _run_turn(request: Request, body: SessionMessageRequest | SessionRegen
         events = stream_events(gen, acc, fmt, include_usage=include_usage, on_end=on_end)
         if policy is not None:  # resumable: the turn is stored when the run ends, whoever reads it
             return logged_stream(ctx, cid, events, policy=policy, gen=gen, headers=headers)
-        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers)
+        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers, numbered=False)
     try:
         await collect_reply(request, gen, acc)
     except BaseException:

@@ -1,5 +1,14 @@
-"""Server-sent events on the wire: one JSON data line per event, numbered ids, keepalive comments,
-and the race between a piece of work and the client's disconnect.
+"""Server-sent events on the wire: one JSON data line per event, keepalive comments, event ids on
+the streams that can be resumed, and the race between a piece of work and the client's disconnect.
+
+Two framings, one per kind of stream:
+- **plain** (what OpenAI sends, and what every client parses, including the ones that split the
+  stream at blank lines and read each message as one `data:` line, as vLLM's benchmark client
+  does): `data: ...` lines, each message ended by a blank line; keepalives are a comment and a
+  blank line, which a decoder that has no event id reads as nothing.
+- **numbered** (a logged stream: resumable, detached, background Responses): every event also has
+  its `id:` (its sequence number in the event log, what `Last-Event-ID` sends back), so keepalives
+  are a comment line with no blank line after it (`Keepalive` says why).
 
 Nothing here knows what the events say (chat chunks, Responses events, a run's log): the
 families build their events and hand them to `sse_response`.
@@ -26,27 +35,20 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_KEEPS)
 
 
-class SSECounter:
-    """Numbers the SSE events of one stream (the `id:` field) 0, 1, 2, ...: the numbering of the event
-    log too, so a resumable stream's ids (its log's sequence numbers) and a plain stream's agree."""
-
-    def __init__(self) -> None:
-        self.n = -1
-
-    def event(self, data: Any) -> dict[str, Any]:
-        self.n += 1
-        return {"id": str(self.n), "data": data if isinstance(data, str) else dumps(data)}
+def data_event(data: Any) -> dict[str, Any]:
+    """One plain SSE event: its data line (a string as is, anything else as compact JSON)."""
+    return {"data": data if isinstance(data, str) else dumps(data)}
 
 
 class Keepalive(ServerSentEvent):
-    """A keepalive: one SSE comment line and no blank line after it.
+    """The keepalive of a numbered stream: one SSE comment line and no blank line after it.
 
-    NOTE: the events carry `id:` lines (a stream can be resumed from a cursor), and the decoders
+    NOTE: a numbered stream's events carry `id:` lines (it can be resumed from a cursor), and the decoders
     most clients run (the openai SDK's `SSEDecoder`, httpx-sse, everything built on them) keep the
     last event id and dispatch an event at *every* blank line once they have one, with empty
     `data` if nothing came since, which the SDK then json-parses and dies on. sse-starlette's
     default ping is a comment *plus* a blank line, so it broke every stream that lived longer than
-    one keepalive interval. A comment line on its own is skipped by every spec-following parser
+    one keepalive interval of a numbered stream. A comment line on its own is skipped by every spec-following parser
     (it adds no field, so the next real event is unchanged) and still keeps proxies and idle
     timeouts from closing the connection. Events are written one `send` each, so a keepalive only
     ever lands between two complete events.
@@ -61,12 +63,37 @@ class Keepalive(ServerSentEvent):
         return self.LINE
 
 
-def sse_response(events: AsyncIterator[dict[str, Any]], *, keepalive_s: float,
-                 headers: dict[str, str]) -> EventSourceResponse:
+class PlainKeepalive(ServerSentEvent):
+    """The keepalive of a plain stream: a comment line and a blank line, a message of its own that
+    every decoder skips (no field in it) and that a reader splitting at blank lines sees whole."""
+
+    LINE = b": keepalive\r\n\r\n"
+
+    def __init__(self) -> None:
+        super().__init__(comment="keepalive")
+
+    def encode(self) -> bytes:
+        return self.LINE
+
+
+def sse_response(events: AsyncIterator[dict[str, Any]], *, keepalive_s: float, headers: dict[str, str],
+                 numbered: bool) -> EventSourceResponse:
     """An SSE response that writes a keepalive comment every keepalive_s from start to end, while the
-    request waits in the queue, prefills and decodes alike (so proxies keep the connection open)."""
-    return EventSourceResponse(events, ping=keepalive_s, ping_message_factory=Keepalive,
+    request waits in the queue, prefills and decodes alike (so proxies keep the connection open).
+
+    `numbered`: the events carry `id:` lines (a logged stream); a plain stream's must not, and a
+    plain event that has one is a bug caught here, not a framing a client has to cope with."""
+    if not numbered:
+        events = _plain(events)
+    return EventSourceResponse(events, ping=keepalive_s, ping_message_factory=Keepalive if numbered else PlainKeepalive,
                                headers={**headers, "Cache-Control": "no-cache"})
+
+
+async def _plain(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    async for event in events:
+        if "id" in event:
+            raise AssertionError(f"a plain SSE stream got an event with an id: {event!r}")
+        yield event
 
 
 async def wait_for_disconnect(receive: Any) -> None:

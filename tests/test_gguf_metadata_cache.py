@@ -53,6 +53,64 @@ def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path):
     os.utime(copy, ns=(1, 1))
     other = Path(gguf_metadata_folder(resolve_model(copy)))
     assert other != folder and (other / "tokenizer_config.json").is_file()
+    # ... and, its tokenizer being the first file's, without parsing it whole (gguf_skeleton.py):
+    # the config from its skeleton, the tokenizer files copied; the folder is the first one's.
+    assert [p.name for p in cache_dir.joinpath("gguf-tokenizers").iterdir()] != []
+    assert _files(other) == _files(folder)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file of a metadata folder but source.txt (which names the source file)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "source.txt"}
+
+
+def _whole_parses(monkeypatch) -> list[str]:
+    """The files transformers' GGUF metadata reader is asked to parse from now on ("skeleton" for a
+    file's skeleton)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    seen: list[str] = []
+    original = gguf_utils.load_gguf_checkpoint
+
+    def spy(path, return_tensors=False, **kw):
+        seen.append("skeleton" if "chatserve-gguf-skeleton-" in str(path) else Path(path).name)
+        return original(path, return_tensors=return_tensors, **kw)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", spy)
+    return seen
+
+
+def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache_dir, tmp_path, monkeypatch, default_gguf):
+    """Two quantizations of one model (same tokenizer, other weights and types): the second reads
+    only its skeleton, and its folder is byte for byte what a whole parse of it writes. A MoE file
+    (whose config the MoE fixes read from the header's tensor table) too; another architecture with
+    the same vocabulary is another tokenizer key (the architecture picks transformers' converter)."""
+    from .helpers.moe_models import write_moe_gguf, write_tiny_moe
+    from .helpers.tiny_gguf import Q4_0, Q8_0, write_tiny_gguf
+
+    a = write_tiny_gguf(tmp_path / "a.gguf", str(default_gguf), {}, Q8_0)
+    b = write_tiny_gguf(tmp_path / "b.gguf", str(default_gguf), {"ffn_down": Q8_0}, Q4_0, seed=3)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    moe = write_moe_gguf(tmp_path / "moe.gguf", write_tiny_moe(tmp_path / "moe", "qwen3_moe", tokenizer), "qwen3_moe",
+                         str(default_gguf), Q8_0)
+    parsed = _whole_parses(monkeypatch)
+    gguf_metadata_folder(resolve_model(a))
+    assert parsed == ["a.gguf"]
+    fast_b = Path(gguf_metadata_folder(resolve_model(b)))
+    assert parsed == ["a.gguf", "skeleton"]  # b: its skeleton only
+    gguf_metadata_folder(resolve_model(moe))
+    os.utime(moe, ns=(2, 2))  # a new key for the same bytes: the second conversion reads the skeleton
+    fast_moe = Path(gguf_metadata_folder(resolve_model(moe)))
+    assert parsed == ["a.gguf", "skeleton", "moe.gguf", "skeleton"]  # qwen3moe: its own tokenizer key
+    assert len(list(cache_dir.joinpath("gguf-tokenizers").iterdir())) == 2
+
+    monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path / "cold"))  # whole parses, as before the skeleton
+    assert _files(Path(gguf_metadata_folder(resolve_model(b)))) == _files(fast_b)
+    assert _files(Path(gguf_metadata_folder(resolve_model(moe)))) == _files(fast_moe)
+    config = load_hf_config(resolve_model(moe))
+    assert config.num_local_experts == 8 and config.model_type == "qwen3_moe"
 
 
 def test_an_unwritable_cache_falls_back_to_reading_the_gguf(tmp_path, monkeypatch):
@@ -86,3 +144,84 @@ def test_a_conversion_parses_the_gguf_metadata_once(monkeypatch):
     assert calls == [("/m.gguf", False), ("/m.gguf", True)]
     assert second == {"config": {"vocab": ["a", "b"]}}  # a copy: one caller's edits do not leak
     assert gguf_utils.load_gguf_checkpoint is fake  # restored
+
+
+def _write_gguf(path: Path, *, template: str, vocab: int | None, seed: int = 0) -> Path:
+    """A small llama GGUF with a 6-token vocabulary, written field by field."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    if vocab is not None:
+        w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<s>", "</s>", "a", "b", "ab", "\u0120a"])
+    w.add_token_types([3, 3, 1, 1, 1, 1])
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_chat_template(template)
+    rng = np.random.default_rng(seed)
+    w.add_tensor("token_embd.weight", rng.normal(size=(6, 32)).astype(np.float32))
+    w.add_tensor("blk.0.attn_q.weight", rng.normal(size=(32, 32)).astype(np.float16))
+    w.add_tensor("output.weight", rng.normal(size=(6, 32)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_skeleton_is_the_file_less_the_tokenizer_arrays(tmp_path):
+    """Every other metadata entry and the tensor table survive byte for byte, the data section keeps
+    its length (as a hole), the vocabulary size transformers would count is written, and
+    transformers reads the same config from it."""
+    import mmap
+
+    import gguf
+    from transformers import AutoConfig
+
+    from chatserve.models.gguf_header import read_gguf_header
+    from chatserve.models.gguf_skeleton import TOKENIZER_ARRAYS, write_skeleton
+
+    src = _write_gguf(tmp_path / "m.gguf", template="{{ messages }}", vocab=None)
+    (tmp_path / "skel").mkdir()
+    dest = tmp_path / "skel" / "m.gguf"
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        src_header = read_gguf_header(buf)
+        write_skeleton(buf, src_header, dest)
+    with open(dest, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        dest_header = read_gguf_header(buf)
+    assert dest.stat().st_size - dest_header.data_offset == src.stat().st_size - src_header.data_offset
+    whole, skel = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(dest))
+    kept = {k: v.contents() for k, v in whole.fields.items() if k not in TOKENIZER_ARRAYS and not k.startswith("GGUF.")}
+    got = {k: v.contents() for k, v in skel.fields.items() if not k.startswith("GGUF.")}
+    assert got == {**kept, "llama.vocab_size": 6}
+    assert [(t.name, list(t.shape), t.tensor_type) for t in skel.tensors] == [
+        (t.name, list(t.shape), t.tensor_type) for t in whole.tensors]
+    a = AutoConfig.from_pretrained(tmp_path, gguf_file="m.gguf").to_dict()
+    b = AutoConfig.from_pretrained(tmp_path / "skel", gguf_file="m.gguf").to_dict()
+    a.pop("_name_or_path"), b.pop("_name_or_path")
+    assert a == b and a["vocab_size"] == 6 and a["tie_word_embeddings"] is False
+
+
+def test_the_tokenizer_key_follows_the_tokenizer_not_the_weights(tmp_path):
+    import mmap
+
+    from chatserve.models.gguf_header import read_gguf_header
+    from chatserve.models.gguf_skeleton import tokenizer_key
+
+    def key(path: Path) -> str:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return tokenizer_key(buf, read_gguf_header(buf))
+
+    base = key(_write_gguf(tmp_path / "a.gguf", template="t", vocab=6))
+    assert key(_write_gguf(tmp_path / "b.gguf", template="t", vocab=None, seed=1)) == base  # other weights, same tokenizer
+    assert key(_write_gguf(tmp_path / "c.gguf", template="another template", vocab=6)) != base

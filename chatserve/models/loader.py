@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,11 +199,20 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     ~0.5 s from the saved folder. The folder is keyed by the file's path, size and mtime and the
     transformers version, so a changed file or library converts again; it is written to a temporary
     folder and renamed into place, so concurrent starts never see half of it.
+
+    A file whose tokenizer was converted before (another quantization of the same model, a
+    fine-tune of the same base: equal `gguf_skeleton.tokenizer_key`) is not parsed whole again: its
+    tokenizer files are copied from `gguf-tokenizers/` and its config is read from the file's
+    skeleton (the header without the tokenizer's arrays), milliseconds instead of seconds.
     """
     import hashlib
+    import mmap
     import tempfile
 
     import transformers
+
+    from chatserve.models.gguf_header import read_gguf_header
+    from chatserve.models.gguf_skeleton import tokenizer_key
 
     assert source.gguf_file is not None
     path = Path(source.folder, source.gguf_file).resolve()
@@ -219,30 +229,87 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     except OSError as exc:
         logger.info("GGUF metadata cache unavailable (%s): reading the GGUF file each time", exc)
         return None
-    from transformers import AutoConfig, AutoTokenizer
-
-    kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": source.gguf_file}
-    from chatserve.models.gguf_families import complete_gguf_config
-
-    with gguf_moe_metadata(), _gguf_metadata_parsed_once():  # MoE files: configs transformers misreads (gguf_moe.py)
-        config = complete_gguf_config(AutoConfig.from_pretrained(source.folder, **kwargs), str(path))
-        tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = read_gguf_header(buf)
+            tok_id = f"{tokenizer_key(buf, header)}|{transformers.__version__}|{METADATA_FORMAT}"
+    except (OSError, ValueError):
+        return None  # not a GGUF we can read: let transformers report it
+    tokenizers = metadata_cache_root() / "gguf-tokenizers" / hashlib.sha256(tok_id.encode()).hexdigest()[:24]
+    known = (tokenizers / "tokenizer_config.json").is_file()
+    if known:
+        config, tokenizer, how = _skeleton_config(source, path, header), None, f"tokenizer copied from {tokenizers.name}"
+    else:
+        (config, tokenizer), how = _parse_whole(source, path), "parsed whole"
     try:
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
         config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if tokenizer is None:
+            for file in tokenizers.iterdir():
+                shutil.copyfile(file, tmp / file.name)
+        else:
+            tokenizer.save_pretrained(tmp)
+            _rename_into_place(_saved_tokenizer(tokenizer, tokenizers.parent), tokenizers)
         (tmp / "source.txt").write_text(key + "\n")
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process renamed its copy first: keep that one
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
+        _rename_into_place(tmp, folder)
     except OSError as exc:
         logger.info("GGUF metadata cache not written (%s): reading the GGUF file each time", exc)
         return None
-    logger.info("converted %s's metadata once into %s", path.name, folder)
+    logger.info("converted %s's metadata once into %s (%s)", path.name, folder, how)
     return str(folder) if (folder / "config.json").is_file() else None
+
+
+def _parse_whole(source: ModelSource, path: Path) -> tuple[Any, Any]:
+    """transformers' config and tokenizer of a GGUF file, from one parse of its whole metadata."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chatserve.models.gguf_families import complete_gguf_config
+
+    kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": source.gguf_file}
+    with gguf_moe_metadata(), _gguf_metadata_parsed_once():  # MoE files: configs transformers misreads (gguf_moe.py)
+        config = complete_gguf_config(AutoConfig.from_pretrained(source.folder, **kwargs), str(path))
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    return config, tokenizer
+
+
+def _skeleton_config(source: ModelSource, path: Path, header: Any) -> Any:
+    """transformers' config of a GGUF file, read from its skeleton (gguf_skeleton.py): the same
+    config `_parse_whole` returns, without walking the tokenizer's arrays."""
+    import mmap
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from chatserve.models.gguf_families import complete_gguf_config
+    from chatserve.models.gguf_skeleton import write_skeleton
+
+    assert source.gguf_file is not None
+    with tempfile.TemporaryDirectory(prefix="chatserve-gguf-skeleton-") as skeleton_dir:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            write_skeleton(buf, header, Path(skeleton_dir, source.gguf_file))
+        with gguf_moe_metadata():
+            config = AutoConfig.from_pretrained(skeleton_dir, local_files_only=True, gguf_file=source.gguf_file)
+    config._name_or_path = source.folder  # as a whole parse of the file itself names it
+    return complete_gguf_config(config, str(path))
+
+
+def _saved_tokenizer(tokenizer: Any, parent: Path) -> Path:
+    """The tokenizer saved into a new temporary folder under `parent`."""
+    import tempfile
+
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".tmp-"))
+    tokenizer.save_pretrained(tmp)
+    return tmp
+
+
+def _rename_into_place(tmp: Path, folder: Path) -> None:
+    """Rename a finished temporary folder to its key; where another process got there first, keep
+    theirs (same key, same content) and drop ours."""
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def eos_token_ids(source: ModelSource, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:

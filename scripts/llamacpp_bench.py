@@ -33,9 +33,15 @@ import time
 
 
 def greedy_next(llm) -> int:
+    """The argmax of the last evaluated token's logits, read from the context itself.
+
+    Why not `llm.scores`: with logits_all=False, llama-cpp-python 0.3.x no longer copies the logits
+    into `scores` (its rows stay stale, and a prompt longer than n_batch indexes past them); the
+    context's logits pointer holds the last token's row (the only row computed)."""
     import numpy as np
 
-    return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
 
 
 def smaps() -> dict[str, int]:

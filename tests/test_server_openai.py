@@ -192,15 +192,27 @@ def test_keepalive_comments_while_waiting():
         # 400 tokens keep the slot busy for seconds even where decode runs at ~170 tok/s (60 did not)
         slow = {"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 400, "temperature": 0,
                 "stream": True, "ignore_eos": True}
-        t = threading.Thread(target=lambda: httpx.post(f"{srv.url}/v1/chat/completions", json=slow, timeout=120))
+        seen = threading.Event()
+
+        def busy() -> None:  # holds the slot until the waiting request has seen a keepalive, then leaves
+            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=slow, timeout=120) as r:
+                for _ in r.iter_lines():
+                    if seen.is_set():
+                        return  # a disconnect: the server aborts it and the waiting request runs
+
+        t = threading.Thread(target=busy)
         t.start()
         time.sleep(0.3)
-        comments = 0
+        comments, data = 0, []
         with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**slow, "max_tokens": 2}, timeout=120) as r:
             for line in r.iter_lines():
-                comments += line.startswith(":")
+                if line.startswith(":"):
+                    comments += 1
+                    seen.set()
+                elif line.startswith("data:"):
+                    data.append(line)
         t.join()
-        assert comments >= 1
+        assert comments >= 1 and data[-1] == "data: [DONE]"  # it waited, kept alive, then was served
     finally:
         assert srv.stop() == 0
 

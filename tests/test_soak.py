@@ -1,6 +1,6 @@
 """Bounded soak: a small-KV server under mixed hostile load with a Redis outage in the middle.
 
-Default run: 30 s of load (CHATSERVE_SOAK_SECONDS=600 for a long one by hand). A few dozen
+Default run: 20 s of load (CHATSERVE_SOAK_SECONDS=600 for a long one by hand). A few dozen
 concurrent clients mix streaming and non-streaming chat, shared and distinct prefixes, early
 disconnects, cancels through the endpoint, session turns and garbage bodies, against a server whose
 KV pool and batch are small enough that eviction, preemption and load shedding all happen. The
@@ -29,7 +29,7 @@ from .helpers.errors import check_error_body
 from .helpers.redis_server import REDIS_SERVER, RedisProcess
 from .helpers.server import start_server
 
-SOAK_SECONDS = float(os.environ.get("CHATSERVE_SOAK_SECONDS", "30"))
+SOAK_SECONDS = float(os.environ.get("CHATSERVE_SOAK_SECONDS", "20"))
 NUM_CLIENTS = int(os.environ.get("CHATSERVE_SOAK_CLIENTS", "32"))
 REQUEST_TIMEOUT = 180.0  # a request slower than this counts as a hang (the machine may be shared)
 SHARED_PREFIX = " ".join(f"Policy {i}: be concise, accurate and kind about subject {i}." for i in range(24))

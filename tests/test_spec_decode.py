@@ -207,7 +207,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def test_greedy_is_identical_alone_and_in_a_batch(llm_default, llm_spec):
-    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     before = _spec_stats(llm_spec)["num_accepted_tokens"]
     for convo in (COPY, QUOTE):
         assert _tokens(llm_spec.chat(convo, params)) == _tokens(llm_default.chat(convo, params))
@@ -221,7 +221,7 @@ def test_greedy_is_identical_alone_and_in_a_batch(llm_default, llm_spec):
 
 
 def test_seeded_sampling_and_logprobs_are_identical(llm_default, llm_spec):
-    params = [SamplingParams(temperature=t, top_p=0.95, seed=s, max_tokens=80, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(temperature=t, top_p=0.95, seed=s, max_tokens=56, ignore_eos=True, logprobs=2)
               for t, s in ((0.7, 1), (1.0, 2), (0.3, 3))]
     before = _spec_stats(llm_spec)["num_accepted_tokens"]
     for p in params:

@@ -37,11 +37,16 @@ Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer_fields(default_gguf: str) -> dict:
-    import gguf
+    """The default model's `tokenizer.*` metadata as Python values (what `gguf.GGUFReader`'s
+    `contents()` gives, read by our header parser in ~0.2 s instead of ~4 s)."""
+    import mmap
 
-    reader = gguf.GGUFReader(default_gguf)
-    f = {k: v.contents() for k, v in reader.fields.items() if k.startswith("tokenizer.")}
-    return f
+    from chatserve.models.gguf_header import GGUFArray, read_array, read_gguf_header
+
+    with open(default_gguf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        header = read_gguf_header(buf)
+        return {k: read_array(buf, v) if isinstance(v, GGUFArray) else v
+                for k, v in header.metadata.items() if k.startswith("tokenizer.")}
 
 
 def add_default_tokenizer(writer, default_gguf: str) -> None:

@@ -40,3 +40,67 @@ def test_a_builder_that_dies_releases_the_lock(tmp_path):
             assert not (build_dir / "lock").exists()
     finally:
         holder.kill()
+
+
+def test_the_build_is_named_by_content_not_by_checkout(tmp_path):
+    """A clean clone or a worktree with the same kernel sources gets the same build folder name (so it
+    loads the build instead of compiling every tier again); any changed byte or flag is another build."""
+    import shutil
+
+    from chatserve.kernels.build import CSRC, extension_name, kernel_source_files
+
+    files = kernel_source_files()
+    assert {p.name for p in files} >= {"tier_kernels.cpp", "vec.h", "simd.h"}
+    other = tmp_path / "another-checkout" / "csrc"
+    shutil.copytree(CSRC, other)
+    copies = [other / p.name for p in files]
+    name = extension_name("chatserve_tier_avx2", files, [CSRC / "tier_kernels.cpp"], ["-mavx2"], "2.13.0")
+    assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx2"], "2.13.0") == name
+    assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx2"], "2.14.0") != name
+    assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx512f"], "2.13.0") != name
+    (other / "vec.h").write_bytes((other / "vec.h").read_bytes() + b"\n// changed\n")
+    assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx2"], "2.13.0") != name
+
+
+def test_staged_sources_are_rewritten_only_when_they_change(tmp_path):
+    """The copies the extension is compiled from keep their mtimes while equal (ninja then has nothing
+    to redo) and follow the checkout when a file changes."""
+    import os
+
+    from chatserve.kernels.build import stage_sources
+
+    checkout = tmp_path / "csrc"
+    checkout.mkdir()
+    (checkout / "a.cpp").write_text("int a() { return 1; }\n")
+    (checkout / "v.h").write_text("#pragma once\n")
+    files = [checkout / "a.cpp", checkout / "v.h"]
+    src = stage_sources(tmp_path / "build", files)
+    assert sorted(p.name for p in src.iterdir()) == ["a.cpp", "v.h"]
+    for p in src.iterdir():
+        os.utime(p, ns=(1, 1))
+    stage_sources(tmp_path / "build", files)
+    assert [p.stat().st_mtime_ns for p in sorted(src.iterdir())] == [1, 1]
+    (checkout / "a.cpp").write_text("int a() { return 2; }\n")
+    stage_sources(tmp_path / "build", files)
+    assert (src / "a.cpp").read_text() == "int a() { return 2; }\n" and (src / "v.h").stat().st_mtime_ns == 1
+
+
+def test_the_session_built_kernels_from_staged_copies():
+    """The kernels this run built (tests/conftest.py) were compiled from their build folder's copies:
+    the ninja file names no path of this checkout."""
+    import pytest
+
+    from chatserve.kernels.build import CSRC
+    from chatserve.kernels.tiers import TIERS, build_tier_module, tested_tiers
+
+    tiers = tested_tiers()
+    if not tiers:
+        pytest.skip("no kernel tier on this CPU")
+    module = build_tier_module(TIERS[tiers[-1].name])
+    if module is None:
+        pytest.skip("the kernels could not be built here")
+    from pathlib import Path
+
+    build_dir = Path(module.__file__).parent
+    ninja = (build_dir / "build.ninja").read_text()
+    assert str(CSRC.resolve()) not in ninja and str(build_dir / "src") in ninja

@@ -1,11 +1,12 @@
 """One way to compile a C++ kernel extension: torch's cpp_extension, cached per source hash and tier.
 
 Why one helper: every extension (the AVX512-BF16 kernels, the quantized matmul, each tiered family)
-needs the same things: a build folder named by a hash of its sources, headers and flags (torch
-rebuilds on source changes but not on header or flag changes, and checkouts sharing one name would
-rebuild over each other), an flock so one process builds while the others wait (and a lock left by
-a killed builder is not waited on forever), and a build that cannot happen (no compiler, no ninja)
-reported once and answered with None, so callers fall back to torch ops.
+needs the same things: a build folder named by a hash of the kernel sources, headers and flags (torch
+rebuilds on source changes but not on header or flag changes), compiled from copies of the sources
+inside that folder (so any checkout with the same sources reuses the build: `stage_sources`), an
+flock so one process builds while the others wait (and a lock left by a killed builder is not waited
+on forever), and a build that cannot happen (no compiler, no ninja) reported once and answered with
+None, so callers fall back to torch ops.
 """
 
 from __future__ import annotations
@@ -59,28 +60,66 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
 
 
 def sources_hash(paths: Sequence[Path], flags: Sequence[str] = ()) -> str:
-    """A hash of the checkout's path, the files' bytes and the flags: the build folder's identity."""
-    digest = hashlib.sha1(str(CSRC.resolve()).encode())
+    """A hash of the files' names and bytes and of the flags: the build folder's identity (not the
+    checkout's path: two checkouts with the same kernel sources share one build)."""
+    digest = hashlib.sha1()
     for path in paths:
-        digest.update(path.read_bytes())
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update("\0".join(flags).encode())
     return digest.hexdigest()[:10]
+
+
+def kernel_source_files() -> list[Path]:
+    """Every file of csrc/ (sources and headers; a .cpp may include another .cpp), in name order."""
+    return sorted(p for p in CSRC.iterdir() if p.is_file() and p.suffix in (".cpp", ".h", ".hpp"))
+
+
+def stage_sources(build_dir: Path, files: Sequence[Path]) -> Path:
+    """Copies of `files` in `build_dir`/src, the folder the extension is compiled from; returns it.
+
+    Why copies: torch's JIT build writes the absolute source paths and include folders into its
+    ninja file and its version check, so compiling a checkout's own csrc/ makes every checkout (a
+    clean clone in CI, a git worktree) rebuild every tier, minutes on 2 cores. Compiled from a copy
+    inside a folder named by the content, identical sources in any checkout are one build, loaded
+    at once. A copy is written only where missing or different (the caller holds the build's flock),
+    so an up-to-date build's sources keep their mtimes and ninja has nothing to redo.
+    """
+    src = build_dir / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        data = path.read_bytes()
+        dest = src / path.name
+        if not dest.is_file() or dest.read_bytes() != data:
+            tmp = dest.with_name(f".{dest.name}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+    return src
+
+
+def extension_name(stem: str, files: Sequence[Path], sources: Sequence[Path], cflags: Sequence[str], torch_version: str) -> str:
+    """The build folder's (and module's) name: the stem and a hash of every staged file, which of
+    them are compiled, the flags and torch's version (an extension links against the libtorch it
+    was built with). Nothing of the checkout's path."""
+    return f"{stem}_{sources_hash([*files, *sources], [*cflags, torch_version])}"
 
 
 @functools.cache
 def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: tuple[str, ...]) -> ModuleType | None:
     try:
+        import torch
         from torch.utils.cpp_extension import load
     except ImportError as exc:
         logger.warning("C++ kernels %s not built (%s); using torch ops", stem, exc)
         return None
-    name = f"{stem}_{sources_hash(sources + headers, cflags)}"
+    files = list(dict.fromkeys([*kernel_source_files(), *sources, *headers]))
+    name = extension_name(stem, files, sources, cflags, torch.__version__)
     build_dir = build_root() / name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with exclusive_build(build_dir):
-            return load(name=name, build_directory=str(build_dir), sources=[str(p) for p in sources],
-                        extra_cflags=[*COMMON_CFLAGS, *cflags], extra_include_paths=[str(CSRC)],
+            src = stage_sources(build_dir, files)
+            return load(name=name, build_directory=str(build_dir), sources=[str(src / p.name) for p in sources],
+                        extra_cflags=[*COMMON_CFLAGS, *cflags], extra_include_paths=[str(src)],
                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.warning("C++ kernels %s could not be built (%s); using torch ops", stem,

@@ -236,20 +236,17 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     except (OSError, ValueError):
         return None  # not a GGUF we can read: let transformers report it
     tokenizers = metadata_cache_root() / "gguf-tokenizers" / hashlib.sha256(tok_id.encode()).hexdigest()[:24]
-    known = (tokenizers / "tokenizer_config.json").is_file()
-    if known:
-        config, tokenizer, how = _skeleton_config(source, path, header), None, f"tokenizer copied from {tokenizers.name}"
-    else:
-        (config, tokenizer), how = _parse_whole(source, path), "parsed whole"
     try:
+        if (tokenizers / "tokenizer_config.json").is_file():
+            config, how = _skeleton_config(source, path, header), f"tokenizer copied from {tokenizers.name}"
+        else:
+            config, tokenizer = _parse_whole(source, path)
+            _rename_into_place(_saved_tokenizer(tokenizer, tokenizers.parent), tokenizers)
+            how = "parsed whole"
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
         config.save_pretrained(tmp)
-        if tokenizer is None:
-            for file in tokenizers.iterdir():
-                shutil.copyfile(file, tmp / file.name)
-        else:
-            tokenizer.save_pretrained(tmp)
-            _rename_into_place(_saved_tokenizer(tokenizer, tokenizers.parent), tokenizers)
+        for file in tokenizers.iterdir():  # the tokenizer files, as saved once for every file that shares them
+            shutil.copyfile(file, tmp / file.name)
         (tmp / "source.txt").write_text(key + "\n")
         _rename_into_place(tmp, folder)
     except OSError as exc:

@@ -30,11 +30,11 @@ from .helpers.streams import cancel_agent_stream_after
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "compat-key"
-KEEPALIVE_S = 0.05
+KEEPALIVE_S = 0.02
 # A reply long enough to span many keepalive intervals on any machine this runs on (each test
 # checks that it did, on the raw bytes, rather than trusting a time). Greedy and ignore_eos, so
 # its length and text are fixed.
-LONG_TOKENS = 32
+LONG_TOKENS = 64
 SHORT_TOKENS = 8
 MIN_KEEPALIVES = 3
 IGNORE_EOS = {"ignore_eos": True}

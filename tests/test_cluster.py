@@ -43,8 +43,8 @@ WORDS = ("river", "lantern", "copper", "meadow", "signal", "harbor", "thistle", 
          "cinder", "willow", "pixel", "saffron", "quartz", "ember", "falcon", "glacier", "juniper", "marble")
 
 
-def system_prompt(i: int, n_words: int = 450) -> str:
-    """A distinct ~600-token system prompt per i (no two share more than the opening words)."""
+def system_prompt(i: int, n_words: int = 250) -> str:
+    """A distinct ~300-token system prompt per i (no two share more than the opening words)."""
     words = [WORDS[(i * 7 + k * (i + 3)) % len(WORDS)] for k in range(n_words)]
     return f"You are assistant {i}. Remember these words in order: " + " ".join(words) + "."
 
@@ -162,7 +162,7 @@ def test_kv_aware_follows_the_replicas_kv_events_to_history_it_never_routed(clus
         # say is cached there (its debug log; colour codes stripped).
         log = re.sub(r"\x1b\[[0-9;]*m", "", router.process.log())
         credited = [int(n) for n in re.findall(r"KV prefix decision .*?credited_prefix_tokens=(\d+)", log)]
-        assert len(credited) == 8 and min(credited) >= 400, (credited, log[-3000:])
+        assert len(credited) == 8 and min(credited) >= 220, (credited, log[-3000:])  # histories of 287-337+ tokens
     finally:
         router.stop()
 

@@ -248,7 +248,8 @@ def test_the_avx512_instantiation_of_the_tiered_kernel_compiles():
     from torch.utils.cpp_extension import include_paths
 
     source, headers = tier_source("attention"), [CSRC / "vec.h"]
-    flags = [*COMMON_CFLAGS, *tier.cflags]
+    # the check is that it compiles (templates instantiated, intrinsics' targets checked): -O0, 38 s against 67 s at -O3
+    flags = [*(f for f in COMMON_CFLAGS if not f.startswith("-O")), "-O0", *tier.cflags]
     obj = build_root() / f"compile_check_attention_{tier.name}_{sources_hash([source, *headers], flags)}.o"
     if obj.exists():
         return

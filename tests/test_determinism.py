@@ -1,7 +1,7 @@
 """The same request gives the same tokens whatever else happens (issue 20).
 
-bf16, the default model, 8 different chat prompts (a shared ~150-token system prompt, so the prefix
-cache and shared-prefix groups come into play), 32 tokens each, greedy and seeded sampling at
+bf16, the default model, 6 different chat prompts (a shared ~150-token system prompt, so the prefix
+cache and shared-prefix groups come into play), 24 tokens each, greedy and seeded sampling at
 temperature 0.8: token-identical across (1) each prompt alone with an empty cache, (2) the same
 again served from the prefix cache, (3) all prompts in one batch, (4) a batch mixed with unrelated
 long prompts being prefilled in chunks, and, greedy, (5) streaming and non-streaming through the
@@ -50,11 +50,9 @@ QUESTIONS = [
     "List three tips for writing clear emails at work.",
     "How do I convert 72 degrees Fahrenheit to Celsius? Show the steps.",
     "Give me a short recipe for a simple tomato soup.",
-    "What are the main differences between a virus and a bacterium?",
-    "Suggest a name for a small coffee shop near a library, and explain why.",
 ]
 CONVERSATIONS = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
-TOKENS = 32
+TOKENS = 24
 # The host's tier and the lowest (AVX2), once each (see the module docstring).
 ENGINE_TIERS = list(dict.fromkeys([KERNEL_TIERS[0], KERNEL_TIERS[-1]])) if KERNEL_TIERS else []
 GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
@@ -131,7 +129,7 @@ def test_alone_and_from_the_prefix_cache_agree(alone):
 
 
 def test_one_batch_agrees_with_each_alone(llm, alone):
-    """(3) All 16 requests (greedy and seeded) in one batch, with an empty cache and again with the
+    """(3) All 12 requests (greedy and seeded) in one batch, with an empty cache and again with the
     system prompt cached (the decoders then share its blocks and read them as one group)."""
     params = [GREEDY] * len(CONVERSATIONS) + [seeded(i) for i in range(len(CONVERSATIONS))]
     for reset in (True, False):
@@ -143,7 +141,7 @@ def test_one_batch_agrees_with_each_alone(llm, alone):
 
 
 def test_a_batch_mixed_with_long_chunked_prefills_agrees(llm, alone):
-    """(4) Two unrelated ~1,200-token prompts first, then the 16 chat requests: the long prompts are
+    """(4) Two unrelated ~1,200-token prompts first, then the 12 chat requests: the long prompts are
     prefilled in chunks while the chat requests prefill (in chunks of their own) and decode."""
     spy = LayoutSpy(llm.engine.runner.attention_backend)
     try:
@@ -192,7 +190,7 @@ def _ask(client: openai.OpenAI, model: str, conv, stream: bool) -> str:
 
 
 def test_streaming_and_non_streaming_over_http_agree_with_offline(server, texts):
-    """Non-streamed one at a time, then all 8 streamed at once (one batch, prefilled in 64- and
+    """Non-streamed one at a time, then all 6 streamed at once (one batch, prefilled in 64- and
     32-token chunks, other sizes than the offline engine's): the offline replies, character for character."""
     client = _client(server)
     model = client.models.list().data[0].id

@@ -28,11 +28,11 @@ def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path):
     from chatserve.models.loader import _gguf_metadata_parsed_once
 
     source = resolve_model(None)
-    with _gguf_metadata_parsed_once():  # both read transformers' one parse of the file (tested below)
+    with _gguf_metadata_parsed_once():  # both read transformers' one parse of the whole file (tested below)
         direct_config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
         direct_tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
 
-    config, tok = load_hf_config(source), load_tokenizer(source)
+    config, tok = load_hf_config(source), load_tokenizer(source)  # converted from the skeleton + our array reader
     folder = Path(gguf_metadata_folder(source))
     assert folder.parent.parent == cache_dir and (folder / "config.json").is_file()
     assert [p.name for p in cache_dir.joinpath("gguf-metadata").iterdir()] == [folder.name]  # no temp left
@@ -87,7 +87,8 @@ def _whole_parses(monkeypatch) -> list[str]:
 def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache_dir, tmp_path, monkeypatch, default_gguf,
                                                                           smollm_tokenizer):
     """Two quantizations of one model (same tokenizer and shape, other weights and types): the second
-    reads only its skeleton, and its folder is byte for byte the first's (a whole parse). A MoE file
+    reads only its skeleton for the config and copies the first's tokenizer, and its folder is byte
+    for byte the first's (a first conversion). A MoE file
     (whose config the MoE fixes read from the header's tensor table) too; another architecture with
     the same vocabulary is another tokenizer key (the architecture picks transformers' converter)."""
     from .helpers.moe_models import write_moe_gguf, write_tiny_moe
@@ -99,18 +100,47 @@ def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache
                          "qwen3_moe", str(default_gguf))
     parsed = _whole_parses(monkeypatch)
     whole_a = Path(gguf_metadata_folder(resolve_model(a)))
-    assert parsed == ["a.gguf"]
+    assert parsed == ["skeleton"]  # a first conversion: transformers reads the skeleton, our reader the arrays
     fast_b = Path(gguf_metadata_folder(resolve_model(b)))
-    assert parsed == ["a.gguf", "skeleton"]  # b: its skeleton only
+    assert parsed == ["skeleton"] * 2  # b: its skeleton only, for the config (the tokenizer is a's)
     whole_moe = Path(gguf_metadata_folder(resolve_model(moe)))
     os.utime(moe, ns=(2, 2))  # a new key for the same bytes: the second conversion reads the skeleton
     fast_moe = Path(gguf_metadata_folder(resolve_model(moe)))
-    assert parsed == ["a.gguf", "skeleton", "moe.gguf", "skeleton"]  # qwen3moe: its own tokenizer key
+    assert parsed == ["skeleton"] * 4  # never a whole file
     assert len(list(cache_dir.joinpath("gguf-tokenizers").iterdir())) == 2
     assert fast_moe != whole_moe and _files(fast_moe) == _files(whole_moe)
     assert _files(fast_b) == _files(whole_a)
     config = json.loads((fast_moe / "config.json").read_text())
     assert (config["num_local_experts"], config["model_type"]) == (8, "qwen3_moe")
+
+
+def test_the_skeleton_with_our_arrays_is_transformers_parse_of_the_whole_file(tmp_path, default_gguf, smollm_tokenizer):
+    """`skeleton_metadata` against transformers' own `load_gguf_checkpoint` of the whole file, for the
+    default model and an OLMoE file (through the MoE corrections, as a conversion reads it): the same
+    dict, keys in the same order."""
+    import mmap
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from chatserve.models.gguf_header import read_gguf_header
+    from chatserve.models.gguf_moe import gguf_moe_metadata
+    from chatserve.models.loader import skeleton_metadata
+
+    from .helpers.moe_models import write_moe_gguf, write_tiny_moe
+
+    olmoe = write_moe_gguf(tmp_path / "olmoe.gguf", write_tiny_moe(tmp_path / "olmoe", "olmoe", smollm_tokenizer),
+                           "olmoe", str(default_gguf))
+    for path in (Path(default_gguf).resolve(), olmoe.resolve()):
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = read_gguf_header(buf)
+        with gguf_moe_metadata():
+            whole = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
+            fast = skeleton_metadata(path, header)
+        assert list(fast) == list(whole)
+        for part in whole:
+            assert fast[part] == whole[part], (path.name, part)
+            assert list(fast[part]) == list(whole[part]), (path.name, part)
+        assert len(fast["tokenizer"]["tokens"]) == len(smollm_tokenizer) and fast["tokenizer"]["merges"]
 
 
 def test_an_unwritable_cache_falls_back_to_reading_the_gguf(tmp_path, monkeypatch):

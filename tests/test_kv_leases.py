@@ -262,7 +262,7 @@ def test_lease_expiry_and_session_delete_release_the_branch(folder, how):
 def server():
     from .helpers.server import start_server
 
-    srv = start_server("--max-model-len", "512", "--num-kv-blocks", "32", "--block-size", "16", "--dtype", "float32",
+    srv = start_server("--max-model-len", "512", "--num-kv-blocks", "32", "--block-size", "16",
                        "--max-num-seqs", "2", "--kv-lease-seconds", "600")
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]

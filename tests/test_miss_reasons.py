@@ -108,7 +108,7 @@ def test_engine_reports_each_reason_on_the_request_record(folder):
 @pytest.fixture(scope="module")
 def server():
     # a small pool (in tokens) so a few long prompts evict the first one
-    srv = start_server("--max-model-len", "512", "--num-kv-blocks", "40", "--block-size", "16", "--dtype", "float32",
+    srv = start_server("--max-model-len", "512", "--num-kv-blocks", "40", "--block-size", "16",
                        "--max-num-seqs", "2")
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]

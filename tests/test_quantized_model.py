@@ -306,13 +306,27 @@ def default_engines(kernels):
     if load_compiled_quant_kernels(kernels.tier) is None:
         pytest.skip("the compiled quantized kernels are unavailable (the torch reference is too slow for 30 layers)")
     kw = {"amx": False, "max_model_len": 1024, "num_kv_blocks": 256, "cpu_kernel_tier": kernels.tier}
-    return LLM(quantization="gguf", **kw), LLM(quantization="none", **kw)
+    engines = LLM(quantization="gguf", **kw), LLM(quantization="none", **kw)
+    yield engines
+    for engine in engines:  # a later tier's engines may reuse the id
+        _OUTPUTS.pop(id(engine), None)
 
 
-def _conversation_outputs(llm: LLM, max_tokens: int = DEFAULT_TOKENS):
+_OUTPUTS: dict[int, list] = {}  # id(engine) -> its greedy replies: an engine's replies are computed once per module
+
+
+def _conversation_outputs(llm: LLM):
+    """A `default_engines` engine's greedy replies (top-20 logprobs) to the equivalence conversations:
+    greedy decoding is deterministic, so each fixture engine answers once for the module."""
+    if id(llm) not in _OUTPUTS:
+        _OUTPUTS[id(llm)] = _answer(llm)
+    return _OUTPUTS[id(llm)]
+
+
+def _answer(llm: LLM) -> list:
     from .test_equivalence_hf import CONVERSATIONS
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=20)
+    params = SamplingParams(temperature=0.0, max_tokens=DEFAULT_TOKENS, logprobs=20)
     return [llm.chat(conv, params)[0] for conv in CONVERSATIONS.values()]
 
 
@@ -355,7 +369,7 @@ def test_default_model_int8(default_engines):
         # default model end to end runs at the host's own tier (on AVX2 forced here: 43 s, a tenth of the file)
         pytest.skip(f"the default model in int8 runs at the host's own tier ({KERNEL_TIERS[0]})")
     int8 = LLM(quantization="int8", amx=False, max_model_len=1024, num_kv_blocks=256, cpu_kernel_tier=tier)
-    expected, got = _conversation_outputs(default_engines[1]), _conversation_outputs(int8)
+    expected, got = _conversation_outputs(default_engines[1]), _answer(int8)
     same, drifts = _agreement_and_drift(expected, got)
     gaps = _parting_gaps(expected, got)
     q_bytes, bf16_bytes = (model_weight_nbytes(e.engine.runner.model) for e in (int8, default_engines[1]))

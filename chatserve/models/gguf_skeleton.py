@@ -22,13 +22,14 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from chatserve.models.gguf_header import DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFArray, GGUFHeader
+from chatserve.models.gguf_header import DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFArray, GGUFHeader, read_array
 
 # The arrays a tokenizer is built from; a config never reads them (beyond their length).
 TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                               "tokenizer.ggml.scores"})
 
 _UINT32 = 4  # GGUF metadata value type of a uint32
+_STRING = 8  # ... of a string
 
 
 def tokenizer_key(buf: Any, header: GGUFHeader) -> str:
@@ -73,3 +74,28 @@ def write_skeleton(buf: Any, header: GGUFHeader, dest: Path) -> None:
 
 
 __all__ = ["TOKENIZER_ARRAYS", "tokenizer_key", "write_skeleton"]
+
+
+def tokenizer_arrays(buf: Any, header: GGUFHeader) -> dict[str, Any]:
+    """The file's tokenizer arrays (`TOKENIZER_ARRAYS` present in it), decoded as transformers'
+    GGUF reader decodes metadata values: strings as strict UTF-8 (an invalid one raises, as it does
+    there), numbers as Python ints / floats / bools, and a one-element array as its element (its
+    `load_gguf_checkpoint` unwraps those). One pass over the bytes: ~0.1 s for SmolLM2's 49k tokens
+    and merges, where gguf's reader takes seconds."""
+    out: dict[str, Any] = {}
+    for key in header.kv_spans:  # file order
+        arr = header.metadata.get(key)
+        if key not in TOKENIZER_ARRAYS or not isinstance(arr, GGUFArray):
+            continue
+        values = _strict_strings(buf, arr) if arr.elem_type == _STRING else read_array(buf, arr)
+        out[key] = values[0] if len(values) == 1 else values
+    return out
+
+
+def _strict_strings(buf: Any, arr: GGUFArray) -> list[str]:
+    out, pos, unpack_from = [], arr.offset, struct.unpack_from
+    for _ in range(arr.count):
+        (n,) = unpack_from("<Q", buf, pos)
+        out.append(bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8"))
+        pos += 8 + n
+    return out

@@ -240,7 +240,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
         if (tokenizers / "tokenizer_config.json").is_file():
             config, how = _skeleton_config(source, path, header), f"tokenizer copied from {tokenizers.name}"
         else:
-            config, tokenizer = _parse_whole(source, path)
+            config, tokenizer = _parse_whole(source, path, header)
             _rename_into_place(_saved_tokenizer(tokenizer, tokenizers.parent), tokenizers)
             how = "parsed whole"
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
@@ -256,17 +256,95 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     return str(folder) if (folder / "config.json").is_file() else None
 
 
-def _parse_whole(source: ModelSource, path: Path) -> tuple[Any, Any]:
-    """transformers' config and tokenizer of a GGUF file, from one parse of its whole metadata."""
+def _parse_whole(source: ModelSource, path: Path, header: Any) -> tuple[Any, Any]:
+    """transformers' config and tokenizer of a GGUF file, from one reading of its metadata: its
+    skeleton through transformers, its tokenizer arrays through our reader (`_gguf_metadata_via_skeleton`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from chatserve.models.gguf_families import complete_gguf_config
 
     kwargs: dict[str, Any] = {"local_files_only": True, "gguf_file": source.gguf_file}
-    with gguf_moe_metadata(), _gguf_metadata_parsed_once():  # MoE files: configs transformers misreads (gguf_moe.py)
+    with gguf_moe_metadata(), _gguf_metadata_via_skeleton(path, header):  # MoE: configs transformers misreads (gguf_moe.py)
         config = complete_gguf_config(AutoConfig.from_pretrained(source.folder, **kwargs), str(path))
         tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
     return config, tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_metadata_via_skeleton(path: Path, header: Any) -> Iterator[None]:
+    """Within the block, transformers' metadata-only reads of `path` (load_gguf_checkpoint with
+    return_tensors=False) get `skeleton_metadata(path, header)`, computed once, a copy per caller;
+    reads of other files and tensor reads go to transformers as before.
+
+    Why: transformers' parse of a whole GGUF walks the vocabulary and merges through gguf's reader,
+    one numpy object per element: 5-13 s for SmolLM2's 49k tokens on a 2-core host, in the first
+    start of every new model. The skeleton parse plus our array reader give the same dict in ~0.3 s.
+    """
+    import copy
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+    parsed: dict[str, Any] = {}
+
+    def via_skeleton(file: Any, return_tensors: bool = False, **kw: Any) -> Any:
+        if return_tensors or kw or Path(file).resolve() != path:
+            return original(file, return_tensors=return_tensors, **kw)
+        if "metadata" not in parsed:
+            parsed["metadata"] = skeleton_metadata(path, header, original)
+        return copy.deepcopy(parsed["metadata"])
+
+    gguf_utils.load_gguf_checkpoint = via_skeleton
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
+
+
+def skeleton_metadata(path: Path, header: Any, parse: Any = None) -> dict[str, Any]:
+    """What transformers' `load_gguf_checkpoint(path, return_tensors=False)` returns, read as its
+    parse of the file's skeleton (gguf_skeleton.py: every entry but the tokenizer's arrays) with the
+    arrays read by `gguf_skeleton.tokenizer_arrays` and put where transformers' own loop puts them:
+    renamed by its GGUF_TO_TRANSFORMERS_MAPPING, in the file's order. `parse` is the function that
+    parses the skeleton (transformers' own, or the one in force, e.g. gguf_moe's corrections).
+    tests/test_gguf_metadata_cache.py compares the result with transformers' parse of whole files."""
+    import mmap
+    import tempfile
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from chatserve.models.gguf_skeleton import tokenizer_arrays, write_skeleton
+
+    parse = parse or gguf_utils.load_gguf_checkpoint
+    with tempfile.TemporaryDirectory(prefix="chatserve-gguf-skeleton-") as skeleton_dir:
+        skeleton = Path(skeleton_dir, path.name)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            write_skeleton(buf, header, skeleton)
+            arrays = tokenizer_arrays(buf, header)
+        result = parse(str(skeleton), return_tensors=False)
+    if "kv_count" in result.get("ignore", {}):  # the header's own count: the skeleton has its own entries
+        result["ignore"]["kv_count"] = len(header.kv_spans)
+    renames = gguf_utils.GGUF_TO_TRANSFORMERS_MAPPING
+    placed: dict[str, list[str]] = {}  # parameter -> renamed keys taken from the arrays
+    for key, value in arrays.items():
+        prefix, _, rest = key.partition(".")
+        for parameter, table in renames.items():
+            renamed = table.get(prefix, {}).get(rest) if prefix in table else None
+            if renamed is not None and renamed != -1:
+                result[parameter][renamed] = value
+                placed.setdefault(parameter, []).append(renamed)
+    # transformers fills these dicts in the file's order; the arrays sit among the other tokenizer entries
+    for parameter in placed:
+        order = []
+        for key in header.kv_spans:
+            prefix, _, rest = key.partition(".")
+            table = renames[parameter]
+            renamed = table.get(prefix, {}).get(rest) if prefix in table else None
+            if renamed is not None and renamed != -1 and renamed in result[parameter] and renamed not in order:
+                order.append(renamed)
+        rest_keys = [k for k in result[parameter] if k not in order]
+        result[parameter] = {k: result[parameter][k] for k in order + rest_keys}
+    return result
 
 
 def _skeleton_config(source: ModelSource, path: Path, header: Any) -> Any:

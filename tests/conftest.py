@@ -119,13 +119,21 @@ def llm_fp32():
 
 @pytest.fixture(scope="session")
 def hf_default(default_gguf):
-    """transformers' own model and tokenizer from the same GGUF file, float32 (the tokenizer and the
-    model's config read one parse of the file's metadata: `_gguf_metadata_parsed_once`)."""
+    """transformers' own model and tokenizer from the same GGUF file, float32. Their metadata reads
+    (config, tokenizer) get transformers' parse of the file's skeleton plus the tokenizer arrays
+    (`_gguf_metadata_via_skeleton`: the very dict of a whole parse, tests/test_gguf_metadata_cache.py),
+    once; the weights are transformers' own reading of the file."""
+    import mmap
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from chatserve.models.loader import _gguf_metadata_parsed_once
+    from chatserve.models.gguf_header import read_gguf_header
+    from chatserve.models.loader import _gguf_metadata_via_skeleton
 
-    with _gguf_metadata_parsed_once():
+    path = default_gguf.resolve()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        header = read_gguf_header(buf)
+    with _gguf_metadata_via_skeleton(path, header):
         tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
         model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
     return model.eval(), tok

@@ -33,12 +33,12 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 def test_default_model_greedy_matches_transformers(name, llm_fp32, hf_default):
     model, tok = hf_default
     ids = apply_chat_template(tok, CONVERSATIONS[name])
-    ours = llm_fp32.chat(CONVERSATIONS[name], SamplingParams(temperature=0.0, max_tokens=48))[0]
+    ours = llm_fp32.chat(CONVERSATIONS[name], SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert ours.prompt_token_ids == ids
-    theirs = hf_greedy(model, ids, 48)
+    theirs = hf_greedy(model, ids, 32)
     # transformers keeps the EOS token in its output; so do we (in token_ids)
     assert ours.outputs[0].token_ids == theirs
-    assert len(theirs) >= 32, "pick prompts whose answers are long enough to compare 32 tokens"
+    assert len(theirs) >= 24, "pick prompts whose answers are long enough to compare 24 tokens"
     text = ours.outputs[0].text
     assert text == tok.decode(ours.outputs[0].token_ids, skip_special_tokens=True)
     assert "\ufffd" not in text

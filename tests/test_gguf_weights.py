@@ -106,7 +106,7 @@ def test_default_model_identical_to_transformers(default_gguf, default_weights):
     assert list(weights) == list(ref)
     for name, tensor in ref.items():
         assert torch.equal(weights[name], tensor), name
-    assert ours < theirs / 2
+    # (no assertion on the two times: the default suite holds no wall-clock checks; bench_load.py measures)
 
 
 # ---------------------------------------------------------------- tiny GGUFs written here

@@ -7,6 +7,9 @@ file on a 2-core host, for a config that reads none of them. The tokenizer made 
 depends on them and on the architecture alone, so the metadata cache (models/loader.py
 `gguf_metadata_folder`) converts it once per `tokenizer_key` and copies it to every file that shares
 it (the quantizations of one model, fine-tunes of one base); the config comes from the skeleton.
+A first conversion needs no whole parse either: transformers parses the skeleton and
+`tokenizer_arrays` decodes the arrays as its reader would (loader.py `skeleton_metadata` puts them
+where transformers does).
 
 What the skeleton keeps, byte for byte: every metadata entry except the tokenizer's arrays, and the
 whole tensor table (names, shapes, types, offsets), so transformers sees the same keys, the same

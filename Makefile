@@ -14,6 +14,8 @@ REDIS_URL  ?=
 HOST       ?= 127.0.0.1
 PORT       ?= 8000
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test (whole test modules per worker, tests/conftest.py); 0 runs in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: help setup setup-redis serve cluster test test-all lint docs bench
 
@@ -53,12 +55,12 @@ docs: setup
 
 # pytest exits 5 when it collects no tests; any non-zero status fails the target.
 test: setup-redis lint docs
-	@rc=0; $(PYTEST) -q -m "not slow" --durations=25 $(PYTEST_ARGS) tests || rc=$$?; \
+	@rc=0; $(PYTEST) -q -m "not slow" -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests -- treating as failure" >&2; fi; \
 	exit $$rc
 
 test-all: setup-redis lint docs
-	@rc=0; $(PYTEST) -q $(PYTEST_ARGS) tests || rc=$$?; \
+	@rc=0; $(PYTEST) -q -n $(TEST_WORKERS) $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-all: pytest collected no tests -- treating as failure" >&2; fi; \
 	exit $$rc
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -223,3 +224,77 @@ def tiny_checkpoint(tmp_path_factory, smollm_tokenizer):
         return made[key]
 
     return make
+
+
+
+# --- two workers (`make test` runs pytest-xdist with -n 2) ----------------------------------------------
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One compute thread per worker and per process it starts (servers, docs examples, benchmarks):
+    # two workers on two cores, not each of them and its servers asking for every core.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# Session fixtures worth building once (transformers' reference model: ~10-25 s; the shared server):
+# every module that uses one runs in that fixture's group, so one worker builds it.
+SHARED_FIXTURES = ("hf_default", "shared_server")
+TESTS_DIR = Path(__file__).resolve().parent
+MODULE_SECONDS_KEY = "chatserve/module_seconds"
+
+
+def _module_group(module_path: str) -> str:
+    """The xdist unit a test module runs in: the shared fixture it uses, else the module itself."""
+    source = (TESTS_DIR.parent / module_path).read_text(encoding="utf-8")
+    for name in SHARED_FIXTURES:
+        if re.search(rf"\b{name}\b", source):
+            return name
+    return module_path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole modules per worker, the most expensive first.
+
+    Why whole modules: a module's fixtures (its server, its Redis database, its engine) are built
+    once and its tests may assume nothing else touches them; two workers running one module's tests
+    would each build them and clean up the other's keys. (`--dist loadgroup` would say the same with
+    markers, but pytest-xdist 3.8 writes the group into a node id attribute that pytest 9 no longer
+    reads, so its groups are silently ignored.) Largest first, by the module times the last run on
+    this checkout saved in pytest's cache (else by number of tests), so no long module starts last.
+    """
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    seconds: dict[str, float] = config.cache.get(MODULE_SECONDS_KEY, {}) if config.cache else {}
+
+    class ModuleScheduling(LoadScopeScheduling):
+        _ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _module_group(nodeid.split("::", 1)[0])
+
+        def _assign_work_unit(self, node) -> None:
+            if not self._ordered and seconds:
+                cost = {scope: sum(seconds.get(m, 0.0) for m in {n.split("::", 1)[0] for n in work})
+                        for scope, work in self.workqueue.items()}
+                self.workqueue = OrderedDict(sorted(self.workqueue.items(), key=lambda kv: -cost[kv[0]]))
+            self._ordered = True
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
+
+
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Per-module test time (setup + call + teardown), for the next run's order of modules."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        module = report.nodeid.split("::", 1)[0]
+        _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    if _module_seconds and session.config.cache is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        known = session.config.cache.get(MODULE_SECONDS_KEY, {})
+        session.config.cache.set(MODULE_SECONDS_KEY, {**known, **{m: round(s, 1) for m, s in _module_seconds.items()}})

@@ -31,6 +31,7 @@ from .helpers.server import start_server
 
 SOAK_SECONDS = float(os.environ.get("CHATSERVE_SOAK_SECONDS", "20"))
 NUM_CLIENTS = int(os.environ.get("CHATSERVE_SOAK_CLIENTS", "32"))
+OVERTIME_S = 90.0  # the most each phase may run past its share of SOAK_SECONDS (mechanism, not speed)
 REQUEST_TIMEOUT = 180.0  # a request slower than this counts as a hang (the machine may be shared)
 SHARED_PREFIX = " ".join(f"Policy {i}: be concise, accurate and kind about subject {i}." for i in range(24))
 
@@ -92,11 +93,22 @@ async def _read_stream(resp: httpx.Response, stop_after: int | None = None) -> t
     return data, False
 
 
+def _keep_going(deadline: float, tally: Tally, phase: dict) -> bool:
+    """Until the deadline; past it (bounded), while the outage lasts or no session turn has succeeded
+    since Redis came back: a slow host may not get one through the shed load in the last third."""
+    now = time.monotonic()
+    if now < deadline:
+        return True
+    if now >= deadline + 2 * OVERTIME_S:
+        return False
+    return phase["name"] != "after" or tally.session_ok_after_outage == 0
+
+
 async def _client(i: int, url: str, deadline: float, tally: Tally, phase: dict) -> None:
     rng = random.Random(1000 + i)
     session_id: str | None = None
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT) as http:
-        while time.monotonic() < deadline:
+        while _keep_going(deadline, tally, phase):
             r: httpx.Response | None = None
             action = rng.choices(["stream", "nonstream", "disconnect", "cancel", "session", "garbage"],
                                  weights=[25, 15, 12, 12, 24, 12])[0]
@@ -218,6 +230,11 @@ def test_soak_mixed_load_with_redis_outage():
             phase["name"] = "outage"
             rds.kill()
             await asyncio.sleep(SOAK_SECONDS / 3)
+            # Redis stays down until a session request has met the outage (bounded): on a slow host
+            # the clients may all be busy with chats for the whole third.
+            overtime = time.monotonic() + OVERTIME_S
+            while tally.session_503_in_outage == 0 and time.monotonic() < overtime:
+                await asyncio.sleep(0.2)
             rds.start()
             phase["name"] = "after"
             await asyncio.gather(*clients)

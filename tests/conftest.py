@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -241,8 +242,12 @@ TESTS_DIR = Path(__file__).resolve().parent
 MODULE_SECONDS_KEY = "chatserve/module_seconds"
 
 
+@functools.cache
 def _module_group(module_path: str) -> str:
-    """The xdist unit a test module runs in: the shared fixture it uses, else the module itself."""
+    """The xdist unit a test module runs in: the shared fixture it uses, else the module itself.
+
+    Cached: the scheduler asks again at every finished test, and its bookkeeping breaks if the answer
+    changes (a test file edited while the suite runs)."""
     source = (TESTS_DIR.parent / module_path).read_text(encoding="utf-8")
     for name in SHARED_FIXTURES:
         if re.search(rf"\b{name}\b", source):

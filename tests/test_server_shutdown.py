@@ -22,8 +22,9 @@ REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
 
 
 def test_sigterm_drains_streams_stores_turns_and_exits_0():
-    # A grace long enough for the short stream on a loaded machine, far too short for the long ones.
-    srv = start_server("--redis-url", REDIS_URL, "--shutdown-grace-s", "8", "--max-model-len", "2048")
+    # A grace long enough for what is left of the short stream (it has begun before the signal) on a
+    # loaded machine, far too short for the long ones.
+    srv = start_server("--redis-url", REDIS_URL, "--shutdown-grace-s", "4", "--max-model-len", "2048")
     sid = None
     try:
         sid = httpx.post(f"{srv.url}/v1/sessions", json={}, timeout=30).json()["id"]
@@ -34,7 +35,7 @@ def test_sigterm_drains_streams_stores_turns_and_exits_0():
                                  "ignore_eos": True, "stream": True})
         turn = stream_in_thread(srv.url, f"/v1/sessions/{sid}/messages",
                                 {"content": "Tell me everything.", "max_tokens": 1500, "ignore_eos": True})
-        wait_until(lambda: long.data and turn.data, 60, "the long streams to produce tokens")
+        wait_until(lambda: short.data and long.data and turn.data, 60, "all three streams to produce tokens")
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         with pytest.raises(httpx.HTTPError):  # no new connections once shutdown began

@@ -5,26 +5,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from chatserve.kernels.tiers import TIER_CHOICES, max_tier
 from chatserve.spec_decode.config import parse_speculative_config
 from chatserve.structured.config import DEFAULT_MAX_WHITESPACE, parse_structured_outputs_config
 
+if TYPE_CHECKING:
+    import torch
+
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "none", "gguf", "int8"]
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "gguf", "int8")
 
+# Names of torch dtypes: this module imports no torch, so the CLI (`chatserve bench serve`,
+# `--help`) builds its flags from EngineArgs without the ~1 s of `import torch`.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -38,6 +41,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: b
     matmul to float32 and back, so bf16 is slower, not faster (on an AVX2-only EPYC host a 600-token
     prefill took 4.5x as long in bf16 as in float32). Measured per tier: docs/quantization-and-kernels.md, "CPU kernel tiers".
     """
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -45,7 +50,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: b
             return torch.float32
         return torch.bfloat16
     try:
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     except KeyError:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}") from None
 

@@ -168,3 +168,15 @@ def test_quantization_flag(capsys):
         _serve("--quantization", "q4")
     err = capsys.readouterr().err
     assert "--quantization" in err and "q4" in err and "gguf" in err
+
+
+def test_the_cli_imports_no_torch_until_a_command_needs_it() -> None:
+    """`chatserve bench serve` (an HTTP client) and every `--help` build their flags from EngineArgs
+    and ServerSettings without importing torch, the engine or the app (~2.5 s of imports before)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, chatserve.cli; "
+            "print(sorted(m for m in ('torch', 'transformers', 'xgrammar', 'chatserve.server.app') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -19,7 +19,21 @@ One subpackage per concept, layered; each imports only from the layers below it:
 What two families share lives in chat/ or streams/, never in one of them.
 """
 
-from chatserve.server.app import create_app
+from typing import TYPE_CHECKING, Any
+
 from chatserve.server.settings import ServerSettings
 
+if TYPE_CHECKING:
+    from chatserve.server.app import create_app
+
 __all__ = ["ServerSettings", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    """`create_app` on first use: importing `chatserve.server.settings` (the CLI does, for its flags)
+    must not import the app, the engine and torch."""
+    if name == "create_app":
+        from chatserve.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

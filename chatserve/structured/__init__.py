@@ -10,10 +10,28 @@ sequence, and one batched token bitmask per step applied to the constrained rows
 - `bitmask.apply_grammar_bitmask`: the batched fill + apply the sampler calls.
 """
 
-from chatserve.structured.bitmask import apply_grammar_bitmask
-from chatserve.structured.compiler import CompilerStats, GrammarCompilerService, StructuredOutputError
-from chatserve.structured.config import StructuredOutputsConfig, parse_structured_outputs_config
-from chatserve.structured.matcher import SequenceMatcher
+from typing import Any
+
+# Each name from its module on first use: `structured.config` is read by the engine's config (and so
+# by the CLI), which must not import torch (bitmask) or xgrammar (compiler, matcher) to build flags.
+_EXPORTS = {
+    "apply_grammar_bitmask": "bitmask",
+    "CompilerStats": "compiler",
+    "GrammarCompilerService": "compiler",
+    "StructuredOutputError": "compiler",
+    "StructuredOutputsConfig": "config",
+    "parse_structured_outputs_config": "config",
+    "SequenceMatcher": "matcher",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"chatserve.structured.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CompilerStats",

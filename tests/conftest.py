@@ -227,7 +227,6 @@ def tiny_checkpoint(tmp_path_factory, smollm_tokenizer):
     return make
 
 
-
 # --- two workers (`make test` runs pytest-xdist with -n 2) ----------------------------------------------
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One compute thread per worker and per process it starts (servers, docs examples, benchmarks):

@@ -1,7 +1,8 @@
 """Bounded soak: a small-KV server under mixed hostile load with a Redis outage in the middle.
 
-Default run: 12 s of load (CHATSERVE_SOAK_SECONDS=600 for a long one by hand), the outage and the
-time after it stretched (bounded) until each has seen a session request. A few dozen concurrent
+Default run: 12 s of load (CHATSERVE_SOAK_SECONDS=600 for a long one by hand); the outage stretches
+(bounded) until a session request has met it, and the load until a session turn has succeeded after
+it, so a slow host checks the same things as a fast one. A few dozen concurrent
 clients mix streaming and non-streaming chat, shared and distinct prefixes, early
 disconnects, cancels through the endpoint, session turns and garbage bodies, against a server whose
 KV pool and batch are small enough that eviction, preemption and load shedding all happen. The

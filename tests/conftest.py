@@ -269,7 +269,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     from xdist.scheduler import LoadScopeScheduling
 
-    seconds: dict[str, float] = config.cache.get(MODULE_SECONDS_KEY, {}) if config.cache else {}
+    cache = getattr(config, "cache", None)  # (none under -p no:cacheprovider)
+    seconds: dict[str, float] = cache.get(MODULE_SECONDS_KEY, {}) if cache is not None else {}
 
     class ModuleScheduling(LoadScopeScheduling):
         _ordered = False
@@ -299,6 +300,7 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_sessionfinish(session) -> None:
-    if _module_seconds and session.config.cache is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
-        known = session.config.cache.get(MODULE_SECONDS_KEY, {})
-        session.config.cache.set(MODULE_SECONDS_KEY, {**known, **{m: round(s, 1) for m, s in _module_seconds.items()}})
+    cache = getattr(session.config, "cache", None)  # (none under -p no:cacheprovider)
+    if _module_seconds and cache is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        known = cache.get(MODULE_SECONDS_KEY, {})
+        cache.set(MODULE_SECONDS_KEY, {**known, **{m: round(s, 1) for m, s in _module_seconds.items()}})

@@ -281,6 +281,58 @@ def test_abort_during_a_load_frees_everything(tiny, tmp_path, engines) -> None:
     assert e.block_manager.cache.stats().evictable >= _full_blocks(ids) // BS, "the loaded blocks stay cached"
 
 
+def test_a_lookup_landing_during_the_last_idle_step_still_wakes_the_async_loop(tiny, tmp_path, engines, cold) -> None:
+    """The lost wake-up (seen as a session turn that never answered after a restart, one run in four on
+    one thread): the lookup lands while the loop's last idle step is in flight, its wake-up sets the
+    loop's event then, and the loop, going idle right after that step, clears the event and sleeps.
+    Here the lookup is made to land exactly there; the request must still be served."""
+    import asyncio
+    import concurrent.futures
+
+    from chatserve import AsyncLLMEngine, EngineArgs
+    from chatserve.engine import async_engine
+
+    ids = _prompt(10)
+    _written_and_closed(engines, tiny, tmp_path, ids)
+    aengine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny), block_size=BS, num_kv_blocks=64,
+                                                         max_num_seqs=4, kv_offload_dir=str(tmp_path)))
+    tiers = aengine.engine.kv_tiering
+    assert tiers is not None
+    land: list = []
+
+    def submit_lookup(prompt, tree_tokens):  # the real lookup, run when the test says so
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        land.append(lambda: future.set_result(tiers._lookup(list(prompt[:-1]), tree_tokens // BS)))
+        return future
+
+    tiers.submit_lookup = submit_lookup
+    real_step, idle_steps = aengine._step, []
+
+    def step():
+        outputs = real_step()
+        if land and aengine.engine.waiting_for_kv:
+            idle_steps.append(1)
+            if len(idle_steps) == async_engine._MAX_IDLE_STEPS:  # the step after which the loop goes idle
+                land.pop()()
+        return outputs
+
+    aengine._step = step
+
+    async def serve():
+        outputs = [out async for out in aengine.generate({"prompt_token_ids": ids}, GREEDY)]
+        await aengine.shutdown()
+        return outputs[-1]
+
+    try:
+        out = asyncio.run(asyncio.wait_for(serve(), 60))
+    finally:
+        aengine.engine.close()
+    assert len(idle_steps) == async_engine._MAX_IDLE_STEPS and not land
+    c = out.outputs[0]
+    assert out.stats.num_disk_cached_tokens == _full_blocks(ids)
+    assert (list(c.token_ids), [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs]) == cold(10)
+
+
 def test_a_burst_after_a_restart_reads_the_prefix_once(tiny, tmp_path, engines, cold) -> None:
     ids = _prompt(12)
     _written_and_closed(engines, tiny, tmp_path, ids)

@@ -445,6 +445,11 @@ class AsyncLLMEngine:
                     assert self._wakeup is not None
                     if not self._pending:
                         self._wakeup.clear()
+                        # NOTE: a grammar or tier lookup that landed after the last step looked (its
+                        # wake-up ran while that step was in flight, and the clear above just undid it)
+                        # would otherwise wait for a wake-up that has already happened: check, then sleep.
+                        if self.engine.has_landed_waits():
+                            continue
                         self._idle = True
                         try:
                             await self._wakeup.wait()

@@ -5,8 +5,9 @@ in-process). Counts are checked, never wall-clock times."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from chatserve.bench.datasets import (
 from chatserve.bench.results import compute_metrics, format_summary, metric_keys, result_filename, save_result
 from chatserve.cli import parse_args
 
+from .helpers import prefork
 from .helpers.server import ROOT, SHARED_API_KEY
 
 # What `vllm bench serve --save-result --save-detailed --percentile-metrics ttft,tpot,itl,e2el` writes
@@ -196,8 +198,9 @@ def test_result_keys_are_vllms_and_the_numbers_follow_its_definitions(tmp_path: 
 
 # ---- real runs ----------------------------------------------------------------------------------------
 def _chatserve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "chatserve", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    """`python -m chatserve *args`, a fork of the worker's warm interpreter (tests/helpers/prefork.py)."""
+    with tempfile.TemporaryDirectory(prefix="chatserve-cli-") as out:
+        return prefork.run(["-m", "chatserve", *args], env=os.environ, cwd=ROOT, timeout=timeout, out_dir=Path(out))
 
 
 def test_bench_serve_against_a_live_server(shared_server, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The documentation's code examples run, every page is in the site's nav, and the README stays a front door.
 
 Examples: every fenced ```python block of docs/*.md and README.md runs as a script in its own process
-(`sys.executable`, cwd the repository root, the checkout first on PYTHONPATH, HF_HUB_OFFLINE=1, a
+(a fork of the worker's warm interpreter, `tests/helpers/prefork.py`: `runpy` of the script as
+`python script.py` would, its imports already done; cwd the repository root, the checkout first on PYTHONPATH, HF_HUB_OFFLINE=1, a
 bounded timeout) and must exit 0. A block that talks to a server at the documented address
 (`http://127.0.0.1:8000`, `localhost:8000`) runs against a live `chatserve serve` this module starts
 (default model, no API key, so the examples' placeholder keys work as written): the address is replaced
@@ -23,11 +24,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from .helpers import prefork
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -117,10 +119,10 @@ def _run(ex: Example, code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("OPENAI_API_KEY", None)
-    if ex.lang == "python":
+    if ex.lang == "python":  # a fork of the worker's warm interpreter (tests/helpers/prefork.py)
         script = tmp_path / "example.py"
         script.write_text(code)
-        argv = [sys.executable, str(script)]
+        return prefork.run([str(script)], env=env, cwd=ROOT, timeout=TIMEOUT_S, out_dir=tmp_path / "output")
     else:
         curl = 'curl() { command curl --fail-with-body --max-time 120 "$@"; }\n'
         argv = ["bash", "-euo", "pipefail", "-c", curl + code]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from . import prefork
 from .net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ SHARED_API_KEY = "shared-server-key"
 class ServerProcess:
     url: str
     port: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | prefork.ForkedProcess
     log_path: Path
     api_key: str | None = None
     args: list[str] = field(default_factory=list)
@@ -80,9 +81,12 @@ class ServerProcess:
 
 
 def start_server(*extra_args: str, api_key: str | None = None, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0, log_path: Path | None = None) -> ServerProcess:
+                 startup_timeout: float = 180.0, log_path: Path | None = None,
+                 real_process: bool = False) -> ServerProcess:
     """`python -m chatserve serve` with `extra_args`, once /health answers 200.
 
+    A fork of the worker's warm forkserver (tests/helpers/prefork.py: the imports done once), or with
+    `real_process` (or an environment that differs in what is read at import) a new interpreter.
     Its output goes to `log_path` (a temporary file by default), so a failure can show it.
     The environment is offline and has no CHATSERVE_API_KEY: only `api_key` sets one.
     """
@@ -94,8 +98,8 @@ def start_server(*extra_args: str, api_key: str | None = None, env: dict[str, st
         args += ["--api-key", api_key]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     full_env.pop("CHATSERVE_API_KEY", None)
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env)
+    log.write_bytes(b"")
+    proc = prefork.start(args[1:], env=full_env, cwd=ROOT, stdout=log, real=real_process)
     server = ServerProcess(f"http://127.0.0.1:{port}", port, proc, log, api_key, args)
     deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:

@@ -1,0 +1,79 @@
+"""The suite's fork server (tests/helpers/prefork.py) behaves as `python script.py` / `python -m mod`
+would for what the tests rely on: argv, environment, directory, output, exit status, signals, atexit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import prefork
+
+SCRIPT = r'''
+import atexit, os, sys, threading, time
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "var", os.environ.get("CHATSERVE_PREFORK_PROBE"))
+print("to stderr", file=sys.stderr)
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined", flush=True))).start()
+if sys.argv[1:] == ["sleep"]:
+    time.sleep(60)
+raise SystemExit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+'''
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "probe.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.mark.skipif(prefork.disabled(), reason="CHATSERVE_TEST_NO_PREFORK is set")
+@pytest.mark.parametrize("real", [False, True], ids=["fork", "subprocess"])
+def test_a_run_is_what_the_interpreter_would_do(script: Path, tmp_path: Path, real: bool) -> None:
+    env = {**os.environ, "CHATSERVE_PREFORK_PROBE": "yes"}
+    if real:
+        env["TORCH_PREFORK_PROBE"] = "1"  # a variable torch could have read at import: a real process
+    assert prefork.can_fork(env) is not real
+    done = prefork.run([str(script), "7"], env=env, cwd=tmp_path, timeout=60, out_dir=tmp_path / "out")
+    assert done.returncode == 7
+    assert done.stdout.splitlines() == [f"argv ['7'] cwd {tmp_path} var yes", "thread joined", "atexit ran"]
+    assert done.stderr == "to stderr\n"
+
+
+@pytest.mark.skipif(prefork.disabled(), reason="CHATSERVE_TEST_NO_PREFORK is set")
+def test_modules_signals_and_statuses(script: Path, tmp_path: Path) -> None:
+    # -m, and stdin is /dev/null: json.tool reads nothing and fails as the real command does
+    done = prefork.run(["-m", "json.tool", "--compact"], env=os.environ, cwd=tmp_path, timeout=60, out_dir=tmp_path / "m")
+    real = subprocess.run([sys.executable, "-m", "json.tool", "--compact"], stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (real.returncode, real.stdout, real.stderr) == (1, "", real.stderr)
+    assert "Expecting value" in real.stderr
+    proc = prefork.start([str(script), "sleep"], env=os.environ, cwd=tmp_path, stdout=tmp_path / "sleep.log")
+    assert isinstance(proc, prefork.ForkedProcess) and proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.3)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL == proc.returncode  # as subprocess reports a signal's death
+    crash = prefork.run([str(tmp_path / "missing.py")], env=os.environ, cwd=tmp_path, timeout=60, out_dir=tmp_path / "c")
+    assert crash.returncode == 1 and "missing.py" in crash.stderr
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # a pid that has been reaped is gone
+        try:
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"pid {proc.pid} still exists after its exit was reported")
+
+
+def test_disabled_means_real_subprocesses(monkeypatch) -> None:
+    monkeypatch.setenv("CHATSERVE_TEST_NO_PREFORK", "1")
+    assert not prefork.can_fork(os.environ)
+    assert sys.platform != "linux" or prefork.can_fork({**os.environ, "CHATSERVE_TEST_NO_PREFORK": "0"}) is False

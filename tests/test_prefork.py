@@ -36,7 +36,7 @@ def script(tmp_path: Path) -> Path:
 @pytest.mark.skipif(prefork.disabled(), reason="CHATSERVE_TEST_NO_PREFORK is set")
 @pytest.mark.parametrize("real", [False, True], ids=["fork", "subprocess"])
 def test_a_run_is_what_the_interpreter_would_do(script: Path, tmp_path: Path, real: bool) -> None:
-    env = {**os.environ, "CHATSERVE_PREFORK_PROBE": "yes"}
+    env = {**prefork.server_env(), "CHATSERVE_PREFORK_PROBE": "yes"}
     if real:
         env["TORCH_PREFORK_PROBE"] = "1"  # a variable torch could have read at import: a real process
     assert prefork.can_fork(env) is not real
@@ -54,7 +54,7 @@ def test_modules_signals_and_statuses(script: Path, tmp_path: Path) -> None:
                           text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (real.returncode, real.stdout, real.stderr) == (1, "", real.stderr)
     assert "Expecting value" in real.stderr
-    proc = prefork.start([str(script), "sleep"], env=os.environ, cwd=tmp_path, stdout=tmp_path / "sleep.log")
+    proc = prefork.start([str(script), "sleep"], env=prefork.server_env(), cwd=tmp_path, stdout=tmp_path / "sleep.log")
     assert isinstance(proc, prefork.ForkedProcess) and proc.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.3)

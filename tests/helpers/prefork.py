@@ -44,8 +44,10 @@ from typing import Any
 # Variables read when the fork server's imports ran (the interpreter, the dynamic loader and the
 # allocator, torch and its OpenMP / oneDNN / MKL, numpy, huggingface_hub and transformers): a process
 # that needs another value of one of these must be a new interpreter. Everything else is read after
-# the fork (the child's own environment is set first), by code the server has not imported.
-IMPORT_TIME_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "ATEN_", "TORCH", "PYTORCH_", "ONEDNN_", "DNNL_", "OMP_", "KMP_",
+# the fork (the child's own environment is set first), by code the server has not imported
+# (TORCHINDUCTOR_* and TORCHDYNAMO_*, say: torch's compiler is not imported there; the suite's
+# torch.compile tests set TORCHINDUCTOR_CACHE_DIR in the worker).
+IMPORT_TIME_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "ATEN_", "TORCH_", "PYTORCH_", "ONEDNN_", "DNNL_", "OMP_", "KMP_",
                             "GOMP_", "MKL_", "OPENBLAS_", "CUDA_", "NPY_", "NUMPY_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_")
 # ...except these, which the child applies itself (sys.path from PYTHONPATH) or which are the same everywhere
 FORKABLE_ENV = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"})
@@ -115,6 +117,12 @@ def _fork_client() -> _Client:
         return _client
 
 
+def server_env() -> dict[str, str]:
+    """The environment the fork server started with (starting it): a process with this environment,
+    plus any run-time variables, is a fork."""
+    return dict(_fork_client().env)
+
+
 def can_fork(env: Mapping[str, str]) -> bool:
     """Whether a process with this environment can be a fork of the warm parent: no variable read at
     the fork server's imports (IMPORT_TIME_ENV_PREFIXES) differs from the environment it started with."""
@@ -165,6 +173,12 @@ def start(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | Path, stdou
     `["script.py", ...]`), its output appended to `stdout` (and `stderr`, else the same file).
     A fork of the warm parent where it can be (`can_fork`), else a real subprocess."""
     full = [sys.executable, *argv]
+    if os.environ.get("CHATSERVE_TEST_PREFORK_LOG"):  # which way each process started, and why
+        base = _client.env if _client is not None else os.environ
+        differ = sorted(k for k in set(env) | set(base) if k.startswith(IMPORT_TIME_ENV_PREFIXES)
+                        and k not in FORKABLE_ENV and env.get(k) != base.get(k))
+        with open(os.environ["CHATSERVE_TEST_PREFORK_LOG"], "a") as log:
+            log.write(f"{'real' if real or not can_fork(env) else 'fork'} {differ} {' '.join(argv)[:120]}\n")
     if real or not can_fork(env):
         out = open(stdout, "ab")
         err = open(stderr, "ab") if stderr else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 
@@ -239,6 +240,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SHARED_FIXTURES = ("hf_default", "shared_server")
 TESTS_DIR = Path(__file__).resolve().parent
 MODULE_SECONDS_KEY = "chatserve/module_seconds"
+# Each module's test time from a two-worker run capped at the AVX2 tier (the slowest host kind): the
+# order of a clean clone (CI), where pytest's cache is empty. To refresh it from this checkout's last
+# run: python -c "import json; d = json.load(open('.pytest_cache/v/chatserve/module_seconds'));
+# json.dump(d, open('tests/module_seconds.json', 'w'), indent=0, sort_keys=True)"
+MODULE_SECONDS_FILE = TESTS_DIR / "module_seconds.json"
 
 
 @functools.cache
@@ -263,14 +269,16 @@ def pytest_xdist_make_scheduler(config, log):
     would each build them and clean up the other's keys. (`--dist loadgroup` would say the same with
     markers, but pytest-xdist 3.8 writes the group into a node id attribute that pytest 9 no longer
     reads, so its groups are silently ignored.) Largest first, by the module times the last run on
-    this checkout saved in pytest's cache (else by number of tests), so no long module starts last.
+    this checkout saved in pytest's cache, else those of tests/module_seconds.json (a clean clone),
+    else by number of tests, so no long module starts last.
     """
     from collections import OrderedDict
 
     from xdist.scheduler import LoadScopeScheduling
 
     cache = getattr(config, "cache", None)  # (none under -p no:cacheprovider)
-    seconds: dict[str, float] = cache.get(MODULE_SECONDS_KEY, {}) if cache is not None else {}
+    seconds: dict[str, float] = json.loads(MODULE_SECONDS_FILE.read_text()) if MODULE_SECONDS_FILE.exists() else {}
+    seconds.update(cache.get(MODULE_SECONDS_KEY, {}) if cache is not None else {})
 
     class ModuleScheduling(LoadScopeScheduling):
         _ordered = False

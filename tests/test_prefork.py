@@ -73,6 +73,23 @@ def test_modules_signals_and_statuses(script: Path, tmp_path: Path) -> None:
         raise AssertionError(f"pid {proc.pid} still exists after its exit was reported")
 
 
+@pytest.mark.skipif(prefork.disabled(), reason="CHATSERVE_TEST_NO_PREFORK is set")
+def test_a_fork_server_that_died_is_replaced(script: Path, tmp_path: Path) -> None:
+    client = prefork._fork_client()
+    env = dict(client.env)
+    client.proc.kill()
+    client.proc.wait(10)
+    done = prefork.run([str(script), "3"], env=env, cwd=tmp_path, timeout=60, out_dir=tmp_path / "a")
+    assert done.returncode == 3, done.stderr  # a new interpreter, or a fork of a new server: either way it ran
+    deadline = time.monotonic() + 10
+    while not client.dead and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.dead
+    proc = prefork.start([str(script), "4"], env=env, cwd=tmp_path, stdout=tmp_path / "b.log")
+    assert isinstance(proc, prefork.ForkedProcess) and proc.wait(60) == 4
+    assert prefork._client is not client
+
+
 def test_disabled_means_real_subprocesses(monkeypatch) -> None:
     monkeypatch.setenv("CHATSERVE_TEST_NO_PREFORK", "1")
     assert not prefork.can_fork(os.environ)

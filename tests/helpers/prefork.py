@@ -58,6 +58,10 @@ def disabled() -> bool:
     return os.environ.get("CHATSERVE_TEST_NO_PREFORK", "") not in ("", "0")
 
 
+class _ServerGone(RuntimeError):
+    """The fork server process has exited."""
+
+
 class _Client:
     """The worker's side: the fork server process, a reader thread for its answers, the statuses."""
 
@@ -91,12 +95,16 @@ class _Client:
         line = json.dumps({"id": rid, "argv": argv, "env": env, "cwd": cwd, "out": out, "err": err}) + "\n"
         with self.cond:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(line.encode())
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write(line.encode())
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError) as exc:
+                self.dead = True
+                raise _ServerGone(f"the fork server exited ({self.proc.wait()})") from exc
             if not self.cond.wait_for(lambda: rid in self.pids or self.dead, timeout=120):
                 raise RuntimeError("the fork server did not answer in 120 s")
             if self.dead:
-                raise RuntimeError(f"the fork server exited ({self.proc.wait()})")
+                raise _ServerGone(f"the fork server exited ({self.proc.wait()})")
             return self.pids.pop(rid)
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
@@ -190,7 +198,12 @@ def start(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | Path, stdou
             if err is not None:
                 err.close()
     client = _fork_client()
-    pid = client.spawn(list(argv), dict(env), str(cwd), str(stdout), str(stderr) if stderr else None)
+    try:
+        pid = client.spawn(list(argv), dict(env), str(cwd), str(stdout), str(stderr) if stderr else None)
+    except _ServerGone:
+        # Its imports failed (a broken checkout, say): a new interpreter shows the same error in the
+        # process's own output, where the test reports it, rather than in the worker's stderr.
+        return start(argv, env=env, cwd=cwd, stdout=stdout, stderr=stderr, real=True)
     return ForkedProcess(client, pid, full)
 
 

@@ -433,6 +433,7 @@ class AsyncLLMEngine:
         # a request waiting for a KV tier lookup wakes the loop when it lands (like a grammar)
         self.engine.kv_lookup_started = lambda fut: fut.add_done_callback(self._wake_from_thread(loop))
         idle_steps = 0
+        assert self._wakeup is not None
         try:
             while True:
                 self._apply_pending()
@@ -442,20 +443,20 @@ class AsyncLLMEngine:
                     if idle_steps >= _MAX_IDLE_STEPS and not (self.engine.num_waiting_for_grammar or self.engine.num_waiting_for_kv):
                         logger.warning("the scheduler can schedule nothing (%s); waiting for an abort", self._stats)
                     idle_steps = 0
-                    assert self._wakeup is not None
                     if not self._pending:
-                        self._wakeup.clear()
-                        # NOTE: a grammar or tier lookup that landed after the last step looked (its
-                        # wake-up ran while that step was in flight, and the clear above just undid it)
-                        # would otherwise wait for a wake-up that has already happened: check, then sleep.
-                        if self.engine.has_landed_waits():
-                            continue
                         self._idle = True
                         try:
                             await self._wakeup.wait()
                         finally:
                             self._idle = False
+                        self._wakeup.clear()  # (no await since it returned: nothing can have been lost)
                     continue
+                # NOTE: the wake-up is cleared only right before something looks (this step: the waiting
+                # grammars and KV tier lookups; the next _apply_pending: the queue) or right after the
+                # wait returns, never on the way to sleep: a wake-up during the step (a lookup landing
+                # after the step looked) stays set, so the idle wait returns at once. (Cleared before
+                # the wait, such a lookup was lost and its request never ran.)
+                self._wakeup.clear()
                 steps_before = self.engine.num_steps
                 self._step_future = loop.run_in_executor(self._executor, self._step)
                 # NOTE: shielded, so cancelling this task never abandons a step half-way: see below.

@@ -364,12 +364,6 @@ class LLMEngine:
     def num_waiting_for_kv(self) -> int:
         return len(self.waiting_for_kv)
 
-    def has_landed_waits(self) -> bool:
-        """Has a request's grammar compile or KV tier lookup finished since the last step looked?
-        (The next step admits it.) Between steps only."""
-        return any(r.grammar_future is not None and r.grammar_future.done() for r in self.waiting_for_grammar.values()) \
-            or any(r.kv_load_future is not None and r.kv_load_future.done() for r in self.waiting_for_kv.values())
-
     def _admit_loaded_kv(self) -> None:
         """Requests whose tier lookup landed: their blocks into the tree, their sequences to the scheduler."""
         assert self.kv_tiering is not None

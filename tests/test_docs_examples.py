@@ -2,8 +2,8 @@
 
 Examples: every fenced ```python block of docs/*.md and README.md runs as a script in its own process
 (a fork of the worker's warm interpreter, `tests/helpers/prefork.py`: `runpy` of the script as
-`python script.py` would, its imports already done; cwd the repository root, the checkout first on PYTHONPATH, HF_HUB_OFFLINE=1, a
-bounded timeout) and must exit 0. A block that talks to a server at the documented address
+`python script.py` would, its imports already done; cwd the repository root, the checkout first on
+PYTHONPATH, HF_HUB_OFFLINE=1, a bounded timeout) and must exit 0. A block that talks to a server at the documented address
 (`http://127.0.0.1:8000`, `localhost:8000`) runs against a live `chatserve serve` this module starts
 (default model, no API key, so the examples' placeholder keys work as written): the address is replaced
 by the server's in the block's text before it runs. Identical blocks (the README mirrors docs/index.md)

@@ -23,9 +23,9 @@ REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
 
 def test_sigterm_drains_streams_stores_turns_and_exits_0():
     # A grace long enough for what is left of the short stream (it has begun before the signal) on a
-    # loaded machine, far too short for the long ones.
-    # A real `python -m chatserve serve` process (not a fork of the suite's warm interpreter): the
-    # entry point, its signal handling and its exit status exactly as a user's supervisor sees them.
+    # loaded machine, far too short for the long ones. A real `python -m chatserve serve` process (not
+    # a fork of the suite's warm interpreter): the entry point, its signal handling and its exit
+    # status exactly as a user's supervisor sees them.
     srv = start_server("--redis-url", REDIS_URL, "--shutdown-grace-s", "4", "--max-model-len", "2048",
                        real_process=True)
     sid = None

@@ -131,16 +131,17 @@ def server_env() -> dict[str, str]:
     return dict(_fork_client().env)
 
 
-def can_fork(env: Mapping[str, str]) -> bool:
-    """Whether a process with this environment can be a fork of the warm parent: no variable read at
-    the fork server's imports (IMPORT_TIME_ENV_PREFIXES) differs from the environment it started with."""
-    if disabled() or sys.platform != "linux":
-        return False
+def import_time_differences(env: Mapping[str, str]) -> list[str]:
+    """The variables read at the fork server's imports (IMPORT_TIME_ENV_PREFIXES) whose value in
+    `env` differs from the environment it started with."""
     base = _client.env if _client is not None else {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for key in set(env) | set(base):
-        if key.startswith(IMPORT_TIME_ENV_PREFIXES) and key not in FORKABLE_ENV and env.get(key) != base.get(key):
-            return False
-    return True
+    return sorted(key for key in set(env) | set(base)
+                  if key.startswith(IMPORT_TIME_ENV_PREFIXES) and key not in FORKABLE_ENV and env.get(key) != base.get(key))
+
+
+def can_fork(env: Mapping[str, str]) -> bool:
+    """Whether a process with this environment can be a fork of the warm parent."""
+    return not disabled() and sys.platform == "linux" and not import_time_differences(env)
 
 
 class ForkedProcess:
@@ -181,13 +182,11 @@ def start(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | Path, stdou
     `["script.py", ...]`), its output appended to `stdout` (and `stderr`, else the same file).
     A fork of the warm parent where it can be (`can_fork`), else a real subprocess."""
     full = [sys.executable, *argv]
+    fork = not real and can_fork(env)
     if os.environ.get("CHATSERVE_TEST_PREFORK_LOG"):  # which way each process started, and why
-        base = _client.env if _client is not None else os.environ
-        differ = sorted(k for k in set(env) | set(base) if k.startswith(IMPORT_TIME_ENV_PREFIXES)
-                        and k not in FORKABLE_ENV and env.get(k) != base.get(k))
         with open(os.environ["CHATSERVE_TEST_PREFORK_LOG"], "a") as log:
-            log.write(f"{'real' if real or not can_fork(env) else 'fork'} {differ} {' '.join(argv)[:120]}\n")
-    if real or not can_fork(env):
+            log.write(f"{'fork' if fork else 'real'} {import_time_differences(env)} {' '.join(argv)[:120]}\n")
+    if not fork:
         out = open(stdout, "ab")
         err = open(stderr, "ab") if stderr else None
         try:

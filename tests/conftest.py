@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -136,10 +137,28 @@ def hf_default(default_gguf):
     path = default_gguf.resolve()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         header = read_gguf_header(buf)
-    with _gguf_metadata_via_skeleton(path, header):
+    with _gguf_metadata_via_skeleton(path, header), _tensor_name_map_built_once():
         tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
         model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
     return model.eval(), tok
+
+
+@contextlib.contextmanager
+def _tensor_name_map_built_once():
+    """Within the block, gguf's `get_tensor_name_map(arch, n_blocks)` builds each table once.
+
+    Why: transformers' `get_gguf_hf_weights_map` recurses over every module of the model and asks
+    gguf for the whole name table at each one (397 times for SmolLM2: ~3.5 s of the reference
+    model's ~9 s load, all Python). The table is a pure function of its arguments and transformers
+    only reads it, so the weights and names it loads are the same."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 @pytest.fixture(scope="session")

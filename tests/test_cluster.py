@@ -14,9 +14,12 @@ under test, not speed (scripts/bench_serving.py measures that).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +28,10 @@ import httpx
 import pytest
 import redis
 
+import chatserve.cluster
 from chatserve.cluster import Cluster, ClusterSpec, Process, consecutive_free_ports, router_command, run_cluster
 
+from .helpers import prefork
 from .helpers.net import free_port, wait_until
 from .helpers.streams import stream_in_thread
 
@@ -64,9 +69,28 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         serve_args=("--max-model-len", "2048", "--log-level", "warning", "--session-turn-lock-ttl-s", "4",
                     "--shutdown-grace-s", "2"),
         env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    with run_cluster(spec) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chatserve.cluster, "subprocess", _ReplicasForked())
+        with run_cluster(spec) as running:
+            yield running
     redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+class _ReplicasForked:
+    """`chatserve.cluster`'s `subprocess` in this module: a replica (`python -m chatserve serve ...`)
+    starts as a fork of the worker's warm fork server (tests/helpers/prefork.py: its imports paid
+    once, not per replica); the router, Redis and anything else as `subprocess.Popen` would."""
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(args, stdout=None, stderr=None, env=None, **kw):  # noqa: N802 - subprocess's name
+        args = list(args)
+        if args[:3] == [sys.executable, "-m", "chatserve"] and getattr(stdout, "name", None) and not kw:
+            return prefork.start(args[1:], env=env if env is not None else os.environ, cwd=os.getcwd(),
+                                 stdout=Path(stdout.name))
+        return subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, **kw)
 
 
 def _turn(client: httpx.Client, sid: str, text: str, header: bool) -> httpx.Response:

@@ -70,13 +70,15 @@ def test_batch_equals_one_at_a_time(llm_fp32, hf_default):
         [{"role": "user", "content": "List three prime numbers."}],
         CONVERSATIONS["system"],
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # 10 tokens: the batch's bookkeeping (slots, positions, each row's KV) is what differs from one at
+    # a time, and it is exercised from the first decode step; float32 torch decodes ~15 tok/s on AVX2
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     alone = [llm_fp32.chat(c, params)[0].outputs[0].token_ids for c in convs]
     steps_before = llm_fp32.engine.num_steps
     together = [o.outputs[0].token_ids for o in llm_fp32.chat(convs, params)]
     assert together == alone
-    # batched: all five prompts share forward passes (16 tokens each -> about 16 steps, not 5 x 16)
-    assert llm_fp32.engine.num_steps - steps_before <= 18
+    # batched: all five prompts share forward passes (10 tokens each -> about 10 steps, not 5 x 10)
+    assert llm_fp32.engine.num_steps - steps_before <= 12
 
 
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import subprocess
 import sys
+from pathlib import Path
 
 from chatserve.kernels.build import exclusive_build as _exclusive_build
 
@@ -104,3 +105,48 @@ def test_the_session_built_kernels_from_staged_copies():
     build_dir = Path(module.__file__).parent
     ninja = (build_dir / "build.ninja").read_text()
     assert str(CSRC.resolve()) not in ninja and str(build_dir / "src") in ninja
+
+
+_TINY_EXTENSION = r"""
+#include <Python.h>
+#define CHATSERVE_CONCAT2(a, b) a##b
+#define CHATSERVE_CONCAT(a, b) CHATSERVE_CONCAT2(a, b)
+#define CHATSERVE_STR2(a) #a
+#define CHATSERVE_STR(a) CHATSERVE_STR2(a)
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, CHATSERVE_STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+PyMODINIT_FUNC CHATSERVE_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }
+"""
+
+
+def test_a_finished_build_is_imported_not_compiled_again(tmp_path, monkeypatch):
+    """A checkout whose torch lives in another virtualenv (a clean clone) imports the build its
+    folder holds: torch's `load` would compile it again (its ninja file names the other torch's
+    include paths). A folder without the finished-build mark, or whose library does not import,
+    goes to torch's `load` as before."""
+    import torch.utils.cpp_extension
+
+    from chatserve.kernels import build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text(_TINY_EXTENSION)
+    build_once = build._build_cached.__wrapped__  # past the per-process cache: each call is a new process's
+    first = build_once("chatserve_test_tiny", (source,), (), ())
+    assert first is not None and first.answer() == 42
+    build_dir = Path(first.__file__).parent
+    assert (build_dir / build.BUILT_MARKER).is_file()
+
+    calls = []
+
+    def compile_again(**kwargs):
+        calls.append(kwargs["name"])
+        raise RuntimeError("compiled again")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_again)
+    again = build_once("chatserve_test_tiny", (source,), (), ())
+    assert again is not None and again.answer() == 42 and calls == []
+
+    (build_dir / build.BUILT_MARKER).unlink()  # a folder an unfinished (or older) build left
+    assert build_once("chatserve_test_tiny", (source,), (), ()) is None and len(calls) == 1

@@ -103,6 +103,35 @@ def extension_name(stem: str, files: Sequence[Path], sources: Sequence[Path], cf
     return f"{stem}_{sources_hash([*files, *sources], [*cflags, torch_version])}"
 
 
+# Written into a build folder once its extension was built and imported.
+BUILT_MARKER = "chatserve-built"
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The extension an earlier build left in `build_dir`, imported as torch's `load` imports it, or
+    None (never built here, or it does not import: then torch builds it again).
+
+    Why not torch's `load` every time: its ninja file holds the absolute include paths of the torch
+    that builds, so a checkout with another virtualenv (every clean clone, as CI makes one)
+    recompiled every kernel (~3 minutes of a 2-core host's `make test`) although the folder's name
+    (the hash of the sources, headers, flags and torch's version) says the build is the same one."""
+    import importlib.util
+
+    library = build_dir / f"{name}.so"
+    if not (build_dir / BUILT_MARKER).is_file() or not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        logger.warning("C++ kernels %s: the cached build does not import (%s); building again", name, exc)
+        return None
+    return module
+
+
 @functools.cache
 def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: tuple[str, ...]) -> ModuleType | None:
     try:
@@ -117,10 +146,15 @@ def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with exclusive_build(build_dir):
+            built = _import_built(name, build_dir)
+            if built is not None:
+                return built
             src = stage_sources(build_dir, files)
-            return load(name=name, build_directory=str(build_dir), sources=[str(src / p.name) for p in sources],
-                        extra_cflags=[*COMMON_CFLAGS, *cflags], extra_include_paths=[str(src)],
-                        extra_ldflags=["-fopenmp"], verbose=False)
+            module = load(name=name, build_directory=str(build_dir), sources=[str(src / p.name) for p in sources],
+                          extra_cflags=[*COMMON_CFLAGS, *cflags], extra_include_paths=[str(src)],
+                          extra_ldflags=["-fopenmp"], verbose=False)
+            (build_dir / BUILT_MARKER).write_text(f"{name}\n")
+            return module
     except Exception as exc:  # no compiler, no ninja, unusual platform: the slower path still works
         logger.warning("C++ kernels %s could not be built (%s); using torch ops", stem,
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)

@@ -74,6 +74,18 @@ def test_modules_signals_and_statuses(script: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(prefork.disabled(), reason="CHATSERVE_TEST_NO_PREFORK is set")
+def test_a_command_runs_as_python_dash_c_runs_it(tmp_path: Path) -> None:
+    code = ("import sys; print(sys.argv, __name__, repr(sys.path[0]), 'answer' in dir()); "
+            "import __main__; print(__main__.__dict__ is globals()); raise SystemExit(int(sys.argv[1]))")
+    done = prefork.run(["-c", code, "3"], env=prefork.server_env(), cwd=tmp_path, timeout=60, out_dir=tmp_path / "c")
+    real = subprocess.run([sys.executable, "-c", code, "3"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (real.returncode, real.stdout, real.stderr)
+    assert done.returncode == 3 and done.stdout == "['-c', '3'] __main__ '' False\nTrue\n"
+    broken = prefork.run(["-c", "1/0"], env=prefork.server_env(), cwd=tmp_path, timeout=60, out_dir=tmp_path / "z")
+    assert broken.returncode == 1 and "ZeroDivisionError" in broken.stderr
+
+
+@pytest.mark.skipif(prefork.disabled(), reason="CHATSERVE_TEST_NO_PREFORK is set")
 def test_a_fork_server_that_died_is_replaced(script: Path, tmp_path: Path, monkeypatch) -> None:
     # A fork server of this test's own: the worker's may have live children (a session's shared
     # server) whose exit statuses only it can report.

@@ -15,8 +15,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ from chatserve.models.loader import load_hf_config, resolve_model
 from chatserve.models.weight_cache import ENTRY_SUFFIX, WeightCacheConfig, capture
 from chatserve.worker.model_runner import ModelRunner
 
+from .helpers import prefork
 from .helpers.tiny_gguf import Q4_0, Q6_K, write_tiny_gguf
 
 pytest.importorskip("gguf")
@@ -331,13 +330,19 @@ def test_two_processes_starting_together_build_once_and_answer_as_a_cold_load(de
     expected_tokens, expected_logprobs = _outputs(cold.generate(PROMPTS, GREEDY))
     cache = tmp_path / "cache"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _START, str(default_gguf), str(cache), json.dumps(PROMPTS)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    # two processes of their own, started together (forks of the worker's warm fork server where it can:
+    # tests/helpers/prefork.py; nothing of the weights or the cache is in the fork server's memory)
+    argv = ["-c", _START, str(default_gguf), str(cache), json.dumps(PROMPTS)]
+    outs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(2)]
+    procs = [prefork.start(argv, env=env, cwd=tmp_path, stdout=out, stderr=err) for out, err in outs]
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    for p, (out, err) in zip(procs, outs):
+        try:
+            code = p.wait(300)
+        finally:
+            p.kill()
+        assert code == 0, err.read_text()[-3000:]
+        results.append(json.loads(out.read_text().strip().splitlines()[-1]))
     assert sorted(r["status"] for r in results) == ["built", "hit"]  # one built while the other waited, then mapped
     for r in results:
         assert r["tokens"] == expected_tokens

@@ -178,8 +178,8 @@ class ForkedProcess:
 
 def start(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | Path, stdout: Path,
           stderr: Path | None = None, real: bool = False) -> subprocess.Popen | ForkedProcess:
-    """`python *argv` (argv without the interpreter: `["-m", "chatserve", "serve", ...]` or
-    `["script.py", ...]`), its output appended to `stdout` (and `stderr`, else the same file).
+    """`python *argv` (argv without the interpreter: `["-m", "chatserve", "serve", ...]`,
+    `["-c", code, ...]` or `["script.py", ...]`), its output appended to `stdout` (and `stderr`, else the same file).
     A fork of the warm parent where it can be (`can_fork`), else a real subprocess."""
     full = [sys.executable, *argv]
     fork = not real and can_fork(env)
@@ -265,7 +265,7 @@ def serve() -> None:
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str | None) -> None:
-    """In the fork: become `python <argv>` (a script or `-m module`) with this environment, directory
+    """In the fork: become `python <argv>` (a script, `-m module` or `-c code`) with this environment, directory
     and output, run it as the interpreter would (its threads joined, its atexit handlers run), and
     exit with its status."""
     code: Any = 1
@@ -289,6 +289,12 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
             if argv[0] == "-m":
                 sys.argv = [argv[1], *argv[2:]]
                 runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            elif argv[0] == "-c":  # as the interpreter runs a command: argv[0] "-c", '' first on sys.path
+                sys.argv = ["-c", *argv[2:]]
+                if sys.path[:1] != [""]:
+                    sys.path.insert(0, "")
+                main = sys.modules["__main__"] = type(sys)("__main__")
+                exec(compile(argv[1], "<string>", "exec"), main.__dict__)
             else:
                 sys.argv = list(argv)
                 sys.path.insert(0, str(Path(argv[0]).resolve().parent))

@@ -16,19 +16,45 @@ from chatserve.models.loader import gguf_metadata_folder, load_hf_config, load_t
 TEXT = "Hello <|im_start|>user\nwhat's 2+2? é 中文<|im_end|>"
 
 
+@pytest.fixture(scope="module")
+def whole_default_parse(default_gguf) -> dict:
+    """transformers' own `load_gguf_checkpoint` of the whole default GGUF (metadata only), once for
+    the module: gguf's reader walks its 49k-token arrays in Python (seconds on a 2-core host)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    return gguf_utils.load_gguf_checkpoint(str(Path(default_gguf).resolve()), return_tensors=False)
+
+
+def _parse_of_the_default_file_from(whole: dict, default_gguf, monkeypatch) -> None:
+    """transformers' metadata reads of the default file get a copy of `whole` (its own parse);
+    every other read goes to transformers as before."""
+    import copy
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original, target = gguf_utils.load_gguf_checkpoint, Path(default_gguf).resolve()
+
+    def parsed(path, return_tensors: bool = False, **kw):
+        if return_tensors or kw or Path(path).resolve() != target:
+            return original(path, return_tensors=return_tensors, **kw)
+        return copy.deepcopy(whole)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", parsed)
+
+
 @pytest.fixture()
 def cache_dir(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
-def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path):
+def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path, monkeypatch, whole_default_parse,
+                                                          default_gguf):
     from transformers import AutoConfig, AutoTokenizer
 
-    from chatserve.models.loader import _gguf_metadata_parsed_once
-
     source = resolve_model(None)
-    with _gguf_metadata_parsed_once():  # both read transformers' one parse of the whole file (tested below)
+    with monkeypatch.context() as patch:  # both read transformers' one parse of the whole file
+        _parse_of_the_default_file_from(whole_default_parse, default_gguf, patch)
         direct_config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
         direct_tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
 
@@ -114,10 +140,11 @@ def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache
     assert (config["num_local_experts"], config["model_type"]) == (8, "qwen3_moe")
 
 
-def test_the_skeleton_with_our_arrays_is_transformers_parse_of_the_whole_file(tmp_path, default_gguf, smollm_tokenizer):
+def test_the_skeleton_with_our_arrays_is_transformers_parse_of_the_whole_file(tmp_path, default_gguf, smollm_tokenizer,
+                                                                              whole_default_parse, monkeypatch):
     """`skeleton_metadata` against transformers' own `load_gguf_checkpoint` of the whole file, for the
-    default model and an OLMoE file (through the MoE corrections, as a conversion reads it): the same
-    dict, keys in the same order."""
+    default model and an OLMoE file (through the MoE corrections, as a conversion reads it; a dense
+    file's corrections are none): the same dict, keys in the same order."""
     import mmap
 
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
@@ -130,6 +157,7 @@ def test_the_skeleton_with_our_arrays_is_transformers_parse_of_the_whole_file(tm
 
     olmoe = write_moe_gguf(tmp_path / "olmoe.gguf", write_tiny_moe(tmp_path / "olmoe", "olmoe", smollm_tokenizer),
                            "olmoe", str(default_gguf))
+    _parse_of_the_default_file_from(whole_default_parse, default_gguf, monkeypatch)  # the default file's, once
     for path in (Path(default_gguf).resolve(), olmoe.resolve()):
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             header = read_gguf_header(buf)

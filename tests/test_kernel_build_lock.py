@@ -125,6 +125,7 @@ def test_a_finished_build_is_imported_not_compiled_again(tmp_path, monkeypatch):
     folder holds: torch's `load` would compile it again (its ninja file names the other torch's
     include paths). A folder without the finished-build mark, or whose library does not import,
     goes to torch's `load` as before."""
+    import torch
     import torch.utils.cpp_extension
 
     from chatserve.kernels import build
@@ -150,3 +151,14 @@ def test_a_finished_build_is_imported_not_compiled_again(tmp_path, monkeypatch):
 
     (build_dir / build.BUILT_MARKER).unlink()  # a folder an unfinished (or older) build left
     assert build_once("chatserve_test_tiny", (source,), (), ()) is None and len(calls) == 1
+
+    # a marked folder whose library does not import (a damaged file): torch's `load` again. (Another
+    # source, so another name: this process has the first library loaded, which a re-import reuses.)
+    other = tmp_path / "other.cpp"
+    other.write_text(_TINY_EXTENSION + "// another build\n")
+    name = build.extension_name("chatserve_test_tiny", [*build.kernel_source_files(), other], [other], [], torch.__version__)
+    damaged = build.build_root() / name
+    damaged.mkdir(parents=True)
+    (damaged / f"{name}.so").write_bytes(b"not a shared library")
+    (damaged / build.BUILT_MARKER).write_text(f"{name}\n")
+    assert build_once("chatserve_test_tiny", (other,), (), ()) is None and calls[-1] == name and len(calls) == 2

@@ -335,12 +335,13 @@ def test_two_processes_starting_together_build_once_and_answer_as_a_cold_load(de
     argv = ["-c", _START, str(default_gguf), str(cache), json.dumps(PROMPTS)]
     outs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(2)]
     procs = [prefork.start(argv, env=env, cwd=tmp_path, stdout=out, stderr=err) for out, err in outs]
-    results = []
-    for p, (out, err) in zip(procs, outs):
-        try:
-            code = p.wait(300)
-        finally:
+    try:
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
             p.kill()
+    results = []
+    for code, (out, err) in zip(codes, outs):
         assert code == 0, err.read_text()[-3000:]
         results.append(json.loads(out.read_text().strip().splitlines()[-1]))
     assert sorted(r["status"] for r in results) == ["built", "hit"]  # one built while the other waited, then mapped

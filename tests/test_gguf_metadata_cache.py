@@ -68,6 +68,12 @@ def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path, m
     assert a == b
     assert tok(TEXT).input_ids == direct_tok(TEXT).input_ids
     assert tok.all_special_ids == direct_tok.all_special_ids and len(tok) == len(direct_tok)
+    assert tok.special_tokens_map == direct_tok.special_tokens_map
+    # The added tokens, every field, as transformers reads them; the folder lists them in its
+    # tokenizer_config.json (so a load need not parse tokenizer.json in Python to find them).
+    assert _added(tok) == _added(direct_tok) and len(_added(tok)) > 3
+    listed = json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert {int(i): tuple(t[k] for k in _FIELDS) for i, t in listed.items()} == _added(direct_tok)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert (tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == direct_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
@@ -87,6 +93,14 @@ def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path, m
     # the config from its skeleton, the tokenizer files copied; the folder is the first one's.
     assert [p.name for p in cache_dir.joinpath("gguf-tokenizers").iterdir()] != []
     assert _files(other) == _files(folder)
+
+
+_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+
+
+def _added(tokenizer) -> dict[int, tuple]:
+    """A tokenizer's added tokens, every AddedToken field."""
+    return {i: tuple(getattr(t, k) for k in _FIELDS) for i, t in tokenizer.added_tokens_decoder.items()}
 
 
 def _files(folder: Path) -> dict[str, bytes]:

@@ -147,8 +147,9 @@ def saved_metadata_config(folder: str) -> Any:
 
 
 # Bumped when what is saved from a GGUF's metadata changes (the config facts models/gguf_families.py and
-# gguf_moe.py add to transformers' conversion): a folder converted by older code is converted again.
-METADATA_FORMAT = 2
+# gguf_moe.py add to transformers' conversion; 3: tokenizer_config.json lists the added tokens): a
+# folder converted by older code is converted again.
+METADATA_FORMAT = 3
 
 
 def metadata_cache_root() -> Path:
@@ -369,13 +370,36 @@ def _skeleton_config(source: ModelSource, path: Path, header: Any) -> Any:
 
 
 def _saved_tokenizer(tokenizer: Any, parent: Path) -> Path:
-    """The tokenizer saved into a new temporary folder under `parent`."""
+    """The tokenizer saved into a new temporary folder under `parent`, its tokenizer_config.json
+    listing the added tokens (`_list_added_tokens`)."""
     import tempfile
 
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".tmp-"))
     tokenizer.save_pretrained(tmp)
+    _list_added_tokens(tmp)
     return tmp
+
+
+def _list_added_tokens(folder: Path) -> None:
+    """Write tokenizer.json's added tokens into tokenizer_config.json as `added_tokens_decoder`, the
+    shape a Hugging Face repository's tokenizer_config.json has them in.
+
+    Why: transformers 5's `save_pretrained` leaves them out, and a tokenizer_config.json without
+    them sends every later `AutoTokenizer.from_pretrained` through its legacy path, which parses the
+    whole tokenizer.json in Python (3.5 MB for SmolLM2: ~0.15 s of each load, each server start and
+    each `LLM(...)`) only to read this list back. The tokens are the same either way (the same
+    AddedToken fields from the same file; tests/test_gguf_metadata_cache.py compares the two).
+    """
+    tokenizer_json, config_json = folder / "tokenizer.json", folder / "tokenizer_config.json"
+    if not (tokenizer_json.is_file() and config_json.is_file()):
+        return
+    config = json.loads(config_json.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config:
+        return
+    added = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("added_tokens") or []
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    config_json.write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _rename_into_place(tmp: Path, folder: Path) -> None:

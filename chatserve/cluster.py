@@ -194,14 +194,17 @@ def _redis_answers(url: str) -> bool:
 
 def _wait_answering(url: str, proc: Process, deadline: float) -> None:
     """Until GET `url` is a 200 (a replica's /health, the router's /v1/models once it forwards);
-    fails at once, with the process's log, if the process exits."""
-    while time.monotonic() < deadline:
-        if proc.proc.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.log()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
+    fails at once, with the process's log, if the process exits. One client for the whole wait
+    (`httpx.get` builds a client, and with it an SSL context, per call); no keep-alive, so each
+    poll is a new connection, as a fresh process's first request is."""
+    with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=2) as client:
+        while time.monotonic() < deadline:
+            if proc.proc.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.log()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url).status_code == 200:
+                    return
+            time.sleep(0.25)
     raise RuntimeError(f"{proc.name} did not answer at {url}:\n{proc.log()[-3000:]}")
 
 

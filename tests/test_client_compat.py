@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from .helpers.net import wait_until
+from .helpers.net import HTTP, wait_until
 from .helpers.server import ServerProcess, start_server
 from .helpers.sse_tap import AsyncTapTransport, SSETap, TapTransport
 from .helpers.streams import cancel_agent_stream_after
@@ -86,7 +86,7 @@ def assert_idle(srv: ServerProcess) -> None:
         m = srv.metrics()
         if m["chatserve:num_requests_running"] or m["chatserve:num_requests_waiting"]:
             return None
-        r = httpx.get(f"{srv.url}/debug/cache", headers=srv.headers, timeout=30)
+        r = HTTP.get(f"{srv.url}/debug/cache", headers=srv.headers, timeout=30)
         assert r.status_code == 200, r.text
         body = r.json()
         stats = body["stats"]
@@ -143,7 +143,7 @@ def completion_reference(srv: ServerProcess, prompt: str, max_tokens: int) -> di
 
 
 def post(srv: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(f"{srv.url}{path}", json=body, headers=srv.headers, timeout=120)
+    r = HTTP.post(f"{srv.url}{path}", json=body, headers=srv.headers, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -241,7 +241,7 @@ def test_openai_leaving_a_stream_early_aborts_the_request(server, client, tap):
     stream.close()
     assert_idle(server)
     assert aborts(server, "client_disconnect") == before + 1
-    state = httpx.post(f"{server.url}/v1/requests/compat-leave-1/cancel", headers=server.headers, timeout=30).json()
+    state = HTTP.post(f"{server.url}/v1/requests/compat-leave-1/cancel", headers=server.headers, timeout=30).json()
     assert state["finish_reason"] == "abort" and state["completion_tokens"] < 400
 
 

@@ -18,12 +18,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from .helpers.net import HTTP
 from .helpers.server import SHARED_API_KEY as API_KEY
 from .helpers.server import ServerProcess
 
@@ -144,12 +144,12 @@ def test_openai_parse_with_a_pydantic_model_20_of_20(client):
 
 
 def test_invalid_schema_and_bad_regex_are_400_before_queueing(server, client):
-    bad_schema = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=60, json={
+    bad_schema = HTTP.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=60, json={
         "model": MODEL, "messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}})
-    bad_regex = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=60, json={
+    bad_regex = HTTP.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=60, json={
         "model": MODEL, "messages": ASK, "structured_outputs": {"regex": "(unclosed"}})
-    unknown = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=60, json={
+    unknown = HTTP.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=60, json={
         "model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}})
     for resp, param in ((bad_schema, "response_format.json_schema.schema"), (bad_regex, "structured_outputs.regex"),
                         (unknown, "tool_choice")):

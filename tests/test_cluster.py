@@ -32,7 +32,7 @@ import chatserve.cluster
 from chatserve.cluster import Cluster, ClusterSpec, Process, consecutive_free_ports, router_command, run_cluster
 
 from .helpers import prefork
-from .helpers.net import free_port, wait_until
+from .helpers.net import HTTP, free_port, wait_until
 from .helpers.streams import stream_in_thread
 
 # In the default suite: the whole module takes ~40 s on a quiet 2-core box since model loads read the
@@ -169,7 +169,7 @@ def test_kv_aware_follows_the_replicas_kv_events_to_history_it_never_routed(clus
                     messages.append({"role": "user", "content": f"Turn {turn}: which word came last?"})
                     body = {"messages": messages, "max_tokens": 4, "temperature": 0}
                     if turn == 0:
-                        resp = httpx.post(f"{urls[i % 2]}/v1/chat/completions", json=body, timeout=120)
+                        resp = HTTP.post(f"{urls[i % 2]}/v1/chat/completions", json=body, timeout=120)
                     else:
                         resp = client.post("/v1/chat/completions", json=body)
                     assert resp.status_code == 200, resp.text
@@ -208,7 +208,7 @@ def test_a_cancel_through_the_router_stops_the_right_request(cluster: Cluster) -
             owner = "http://" + stream.headers["x-chatserve-instance"]
             assert owner in urls
             url = base if target == "router" else next(u for u in urls if u != owner)
-            resp = httpx.post(f"{url}/v1/requests/{rid}/cancel", timeout=30)
+            resp = HTTP.post(f"{url}/v1/requests/{rid}/cancel", timeout=30)
             assert resp.status_code == 200, resp.text
             assert resp.json()["id"] == rid and resp.json()["status"] == "aborted"
             stream.join(60)
@@ -283,7 +283,7 @@ def _start_router(cluster: Cluster, policy: str, *router_args: str) -> _Router:
     while True:
         assert proc.poll() is None, router.process.log()[-3000:]
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+            if HTTP.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
                 return router
         except httpx.HTTPError:
             pass

@@ -9,9 +9,9 @@ import json
 import re
 from typing import Any
 
-import httpx
 import pytest
 
+from .helpers.net import HTTP
 from .helpers.server import ROOT, ServerProcess, start_server
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "chatserve-dashboard.json"
@@ -84,10 +84,10 @@ def test_dashboard_is_importable_json_with_a_datasource_input() -> None:
 
 def test_every_metric_the_dashboard_queries_is_exported(server: ServerProcess) -> None:
     # One request first: every family is exported from the start, but a request proves the labels hold too.
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "one two three one two three one two", "max_tokens": 4},
+    r = HTTP.post(f"{server.url}/v1/completions", json={"prompt": "one two three one two three one two", "max_tokens": 4},
                    timeout=120)
     assert r.status_code == 200, r.text
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = HTTP.get(f"{server.url}/metrics", timeout=10).text
     exported = exported_names(text)
     dash = json.loads(DASHBOARD.read_text())
     queried = {name: title for title, expr in dashboard_exprs(dash) for name in metric_names(expr)}

@@ -28,6 +28,7 @@ from chatserve.structured import GrammarCompilerService, StructuredOutputsConfig
 from chatserve.structured.config import DEFAULT_MAX_WHITESPACE, whitespace_runs
 from chatserve.tools import HERMES, XLAM, FunctionTool, ToolChoice, parse_tool_calls, tool_grammar
 
+from .helpers.net import HTTP
 from .helpers.server import SHARED_API_KEY as API_KEY
 from .helpers.server import ServerProcess
 
@@ -285,7 +286,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 def post(server: ServerProcess, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=300,
+    return HTTP.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=300,
                       json={"model": MODEL, "messages": ASK, **body})
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from .helpers.net import HTTP
 from .helpers.redis_server import redis_answers
 
 REDIS = "redis://127.0.0.1:6379/9"
@@ -52,7 +53,7 @@ def test_a_session_survives_a_restart_warm_from_disk(tmp_path) -> None:
         assert tiers["disk"] >= 64 and tiers["tier_miss_reason"] in ("complete", "absent"), usage
         assert usage["prompt_tokens_details"]["cached_tokens"] == tiers["memory"] + tiers["disk"] + tiers["redis"]
         assert usage["chatserve"]["session_history_matched"] is True
-        metrics = httpx.get(f"{second.url}/metrics").text
+        metrics = HTTP.get(f"{second.url}/metrics").text
         assert 'chatserve:kv_offload_hit_blocks_total{medium="disk"' in metrics
         assert api.delete(f"/v1/sessions/{sid}").status_code in (200, 204)
     finally:

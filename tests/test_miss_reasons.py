@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 
 from chatserve import LLM, SamplingParams
 from chatserve.cache import BlockAllocator, RadixPrefixCache
 
+from .helpers.net import HTTP
 from .helpers.server import ServerProcess, start_server
 
 BS = 4
@@ -115,15 +115,15 @@ def server():
 
 
 def _complete(srv: ServerProcess, prompt: list[int]) -> dict:
-    model = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    r = httpx.post(f"{srv.url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+    model = HTTP.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    r = HTTP.post(f"{srv.url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0},
                    timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["usage"]
 
 
 def test_http_usage_reports_each_reason_and_metrics_count_them(server):
-    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    model = HTTP.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
     assert model
     before = server.metrics()
     seen = toks(7, 193)  # 12 whole blocks + the last token

@@ -14,6 +14,8 @@ import pytest
 
 from chatserve import LLM, SamplingParams
 
+from .helpers.net import HTTP
+
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
@@ -75,13 +77,12 @@ def test_http_bursts_after_warmup_traffic_share_the_new_prefix(shared_server):
     hold other modules' traffic, which shares no tokens with these random prompts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
 
     server = shared_server
-    model = httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).json()["data"][0]["id"]
+    model = HTTP.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).json()["data"][0]["id"]
 
     def complete(prompt: list[int]) -> dict:
-        r = httpx.post(f"{server.url}/v1/completions", headers=server.headers, timeout=300,
+        r = HTTP.post(f"{server.url}/v1/completions", headers=server.headers, timeout=300,
                        json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
         return r.json()["usage"]

@@ -20,6 +20,7 @@ import pydantic
 import pytest
 import redis
 
+from .helpers.net import HTTP
 from .helpers.redis_server import REDIS_SERVER, RedisProcess
 from .helpers.server import ServerProcess, start_server
 from .helpers.streams import cancel_agent_stream_after, total_aborts
@@ -99,7 +100,7 @@ def test_three_turn_chain_hits_the_cache_and_survives_a_restart(server) -> None:
     assert after.status in ("completed", "incomplete")
     assert after.usage.input_tokens > last.usage.input_tokens + last.usage.output_tokens
     # DELETE removes every key of it
-    assert httpx.delete(f"{srv.url}/v1/responses/{after.id}").status_code == 200
+    assert HTTP.delete(f"{srv.url}/v1/responses/{after.id}").status_code == 200
     assert not [k for k in redis.Redis.from_url(server["url"]).scan_iter(f"*{after.id}*")]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(after.id)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -26,6 +25,7 @@ from chatserve.sessions import RedisSessionStore
 
 from .helpers.asgi import app_client
 from .helpers.fake_engine import FakeEngine
+from .helpers.net import HTTP
 from .helpers.redis_server import REDIS_SERVER, RedisProcess
 from .helpers.server import ServerProcess, start_server
 from .helpers.streams import parse_sse_lines
@@ -100,7 +100,7 @@ def drop_after(client: openai.OpenAI, k: int, request_id: str, **extra: Any) -> 
 
 
 def resume(url: str, run_id: str, last_id: int, headers: dict[str, str] | None = None) -> list[tuple[str | None, str]]:
-    with httpx.stream("GET", f"{url}/v1/chat/completions/{run_id}/stream",
+    with HTTP.stream("GET", f"{url}/v1/chat/completions/{run_id}/stream",
                       headers={"Last-Event-ID": str(last_id), **(headers or {})}, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
         return parse_sse_lines(resp.iter_lines())
@@ -119,7 +119,7 @@ def wait_for(cond: Any, timeout: float = 120.0, what: str = "condition") -> None
 
 def blocks_all_free(srv: ServerProcess) -> None:
     srv.wait_idle(timeout=30)
-    cache = httpx.get(f"{srv.url}/debug/cache", timeout=30)
+    cache = HTTP.get(f"{srv.url}/debug/cache", timeout=30)
     assert cache.status_code == 200, cache.text  # the invariants hold
     stats = cache.json()["stats"]
     assert stats["num_free_blocks"] + stats["num_cached_blocks"] == stats["num_total_blocks"], stats
@@ -185,7 +185,7 @@ def test_redis_killed_during_a_logged_run(srv: ServerProcess, redis_proc: RedisP
     body = {**GREEDY, "max_tokens": 60, "ignore_eos": True, "stream": True, "stream_options": {"resumable": True},
             "disconnect_policy": {"mode": "detach", "lease_seconds": 60}}
     payloads: list[str] = []
-    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "redis-dies"},
+    with HTTP.stream("POST", f"{srv.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "redis-dies"},
                       timeout=120) as resp:
         assert resp.status_code == 200
         for _, data in _events(resp.iter_lines()):
@@ -198,19 +198,19 @@ def test_redis_killed_during_a_logged_run(srv: ServerProcess, redis_proc: RedisP
              what="the log line")
     assert "completes in this process's memory" in srv.log()
     blocks_all_free(srv)
-    assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200  # the server stays up
+    assert HTTP.get(f"{srv.url}/health", timeout=10).status_code == 200  # the server stays up
     # resumable here from the mirror; anything that needs Redis is a 503 until it is back
     again = resume(srv.url, "chatcmpl-redis-dies", 1)
     assert [d for _, d in again] == payloads[2:]
-    elsewhere = httpx.get(f"{srv.url}/v1/chat/completions/chatcmpl-somewhere-else/stream", timeout=30)
+    elsewhere = HTTP.get(f"{srv.url}/v1/chat/completions/chatcmpl-somewhere-else/stream", timeout=30)
     assert elsewhere.status_code == 503 and elsewhere.json()["error"]["code"] == "event_log_unavailable"
-    assert httpx.post(f"{srv.url}/v1/sessions", json={}, timeout=30).status_code == 503
+    assert HTTP.post(f"{srv.url}/v1/sessions", json={}, timeout=30).status_code == 503
     redis_proc.start()  # back, empty (no persistence)
-    wait_for(lambda: httpx.post(f"{srv.url}/v1/sessions", json={}, timeout=30).status_code == 201, timeout=30,
+    wait_for(lambda: HTTP.post(f"{srv.url}/v1/sessions", json={}, timeout=30).status_code == 201, timeout=30,
              what="sessions answering again")
-    assert httpx.get(f"{srv.url}/v1/chat/completions/chatcmpl-somewhere-else/stream", timeout=30).status_code == 404
+    assert HTTP.get(f"{srv.url}/v1/chat/completions/chatcmpl-somewhere-else/stream", timeout=30).status_code == 404
     # and a new logged stream works again, readable through Redis too
-    fresh = httpx.post(f"{srv.url}/v1/chat/completions", json={**GREEDY, "max_tokens": 4, "stream": True,
+    fresh = HTTP.post(f"{srv.url}/v1/chat/completions", json={**GREEDY, "max_tokens": 4, "stream": True,
                        "stream_options": {"resumable": True}}, headers={"X-Request-Id": "after-redis"}, timeout=120)
     assert fresh.status_code == 200 and fresh.text.rstrip().endswith("data: [DONE]")
     import redis as redis_sync

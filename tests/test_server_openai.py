@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from .helpers.errors import assert_error
-from .helpers.net import wait_until
+from .helpers.net import HTTP, wait_until
 from .helpers.server import ServerProcess, start_server
 from .helpers.streams import Stream, sse_events, stream_in_thread
 
@@ -46,9 +46,9 @@ def post(server: ServerProcess, path: str, body: object = None, *, content: byte
     h = dict(server.headers if auth else {})
     h.update(headers or {})
     if content is None:
-        return httpx.post(f"{server.url}{path}", json=body, headers=h, timeout=120)
+        return HTTP.post(f"{server.url}{path}", json=body, headers=h, timeout=120)
     h.setdefault("content-type", "application/json")
-    return httpx.post(f"{server.url}{path}", content=content, headers=h, timeout=120)
+    return HTTP.post(f"{server.url}{path}", content=content, headers=h, timeout=120)
 
 
 # ---- the official SDK ------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_sdk_closing_stream_early_frees_the_request(client, server):
 # ---- raw HTTP: framing ---------------------------------------------------------------------------
 def test_sse_framing_no_ids_and_done(server):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+    with HTTP.stream("POST", f"{server.url}/v1/chat/completions", json=body,
                       headers={**server.headers, "X-Request-Id": "framing-1"}, timeout=60) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -195,7 +195,7 @@ def test_keepalive_comments_while_waiting():
         seen = threading.Event()
 
         def busy() -> None:  # holds the slot until the waiting request has seen a keepalive, then leaves
-            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=slow, timeout=120) as r:
+            with HTTP.stream("POST", f"{srv.url}/v1/chat/completions", json=slow, timeout=120) as r:
                 for _ in r.iter_lines():
                     if seen.is_set():
                         return  # a disconnect: the server aborts it and the waiting request runs
@@ -204,7 +204,7 @@ def test_keepalive_comments_while_waiting():
         t.start()
         time.sleep(0.3)
         comments, data = 0, []
-        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**slow, "max_tokens": 2}, timeout=120) as r:
+        with HTTP.stream("POST", f"{srv.url}/v1/chat/completions", json={**slow, "max_tokens": 2}, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith(":"):
                     comments += 1
@@ -264,9 +264,9 @@ def test_api_key(server):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     assert_error(post(server, "/v1/chat/completions", body, auth=False), 401)
     assert_error(post(server, "/v1/chat/completions", body, auth=False, headers={"Authorization": "Bearer nope"}), 401)
-    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # no key needed
-    models = httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).json()
+    assert HTTP.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    assert HTTP.get(f"{server.url}/health", timeout=10).status_code == 200  # no key needed
+    models = HTTP.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).json()
     assert models["data"][0]["id"] == MODEL
 
 
@@ -286,12 +286,12 @@ def test_request_id_validation_and_echo(server):
 
 
 def test_unknown_route_and_cancel_of_unknown_id_are_404_in_openai_shape(server):
-    assert_error(httpx.get(f"{server.url}/v1/nothing", headers=server.headers, timeout=10), 404)
+    assert_error(HTTP.get(f"{server.url}/v1/nothing", headers=server.headers, timeout=10), 404)
     assert_error(post(server, "/v1/requests/never-seen/cancel"), 404)
 
 
 def test_metrics_are_exposed_with_vllm_names(server):
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = HTTP.get(f"{server.url}/metrics", timeout=10).text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "request_aborts_total",
@@ -331,7 +331,7 @@ def test_cancel_in_waiting_prefilling_and_decoding_states(small_server):
     sb = rb.json()
     assert sb["status"] == "aborted" and sb["state_when_cancelled"] == "waiting" and sb["completion_tokens"] == 0
     assert sb["blocks_freed"] == 0
-    ra = httpx.delete(f"{srv.url}/v1/requests/dec-1", timeout=30)
+    ra = HTTP.delete(f"{srv.url}/v1/requests/dec-1", timeout=30)
     assert ra.status_code == 200
     sa = ra.json()
     assert sa["status"] == "aborted" and sa["state_when_cancelled"] == "decoding" and sa["completion_tokens"] > 0
@@ -356,7 +356,7 @@ def test_cancel_in_waiting_prefilling_and_decoding_states(small_server):
     assert m["chatserve:kv_cache_usage_perc"] == 0
     key = 'chatserve:request_aborts_total{model_name="%s",reason="cancel_endpoint"}' % MODEL
     assert srv.metrics()[key] >= 3
-    assert httpx.get(f"{srv.url}/debug/cache", timeout=30).json()["ok"] is True
+    assert HTTP.get(f"{srv.url}/debug/cache", timeout=30).json()["ok"] is True
 
 
 def _running(srv: ServerProcess) -> float:
@@ -367,7 +367,7 @@ def test_disconnect_mid_stream_aborts_within_a_step(small_server):
     srv = small_server
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 500, "temperature": 0,
             "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
         n = 0
         for line in r.iter_lines():
             n += line.startswith("data:")
@@ -385,7 +385,7 @@ def test_non_streaming_disconnect_aborts(small_server):
     srv = small_server
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=1.0)
+        HTTP.post(f"{srv.url}/v1/chat/completions", json=body, timeout=1.0)
     srv.wait_idle(timeout=5)
 
 

@@ -12,7 +12,7 @@ import redis
 
 from chatserve.sessions import RedisSessionStore
 
-from .helpers.net import wait_until
+from .helpers.net import HTTP, wait_until
 from .helpers.server import start_server
 from .helpers.streams import stream_in_thread
 
@@ -30,7 +30,7 @@ def test_sigterm_drains_streams_stores_turns_and_exits_0():
                        real_process=True)
     sid = None
     try:
-        sid = httpx.post(f"{srv.url}/v1/sessions", json={}, timeout=30).json()["id"]
+        sid = HTTP.post(f"{srv.url}/v1/sessions", json={}, timeout=30).json()["id"]
         short = stream_in_thread(srv.url, "/v1/chat/completions",
                                  {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True})
         long = stream_in_thread(srv.url, "/v1/chat/completions",
@@ -42,7 +42,7 @@ def test_sigterm_drains_streams_stores_turns_and_exits_0():
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         with pytest.raises(httpx.HTTPError):  # no new connections once shutdown began
-            httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+            HTTP.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
                        timeout=5)
         rc = srv.proc.wait(60)  # a hang guard: it exits after the grace and the final writes
         for stream in (short, long, turn):

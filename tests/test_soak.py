@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from .helpers.errors import check_error_body
+from .helpers.net import HTTP
 from .helpers.redis_server import REDIS_SERVER, RedisProcess
 from .helpers.server import start_server
 
@@ -216,7 +217,7 @@ def test_soak_mixed_load_with_redis_outage():
     try:
         proc = psutil.Process(srv.proc.pid)
         # warm up, then take the baseline RSS
-        httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+        HTTP.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                             "max_tokens": 4}, timeout=60)
         rss_samples: list[float] = []
 
@@ -254,10 +255,10 @@ def test_soak_mixed_load_with_redis_outage():
         rss_start, rss_end = rss_samples[third], rss_samples[-1]
         rss_final_third = rss_samples[-1] - rss_samples[-third - 1]
 
-        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        assert HTTP.get(f"{srv.url}/health", timeout=10).status_code == 200
         m = srv.wait_idle(timeout=15)
         assert m["chatserve:kv_cache_usage_perc"] == 0
-        integrity = httpx.get(f"{srv.url}/debug/cache", timeout=30)
+        integrity = HTTP.get(f"{srv.url}/debug/cache", timeout=30)
         assert integrity.status_code == 200 and integrity.json()["ok"], integrity.text
         # sessions work again after the outage, and hold whole turns only
         with httpx.Client(base_url=srv.url, timeout=60) as http:

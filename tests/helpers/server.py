@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from . import prefork
-from .net import free_port
+from .net import HTTP, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # The API key of the session-wide shared server (the `shared_server` fixture in tests/conftest.py).
@@ -40,7 +40,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus text parsed into {name{labels}: value}, and {name: value} for unlabelled-by-us ones."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = HTTP.get(f"{self.url}/metrics", timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):
@@ -106,7 +106,7 @@ def start_server(*extra_args: str, api_key: str | None = None, env: dict[str, st
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            if HTTP.get(f"{server.url}/health", timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from .net import HTTP
+
 
 def parse_sse_lines(lines: Iterable[str]) -> list[tuple[str | None, str]]:
     """(id, data) per event, from the raw lines: checks the framing itself, not a library's view of it."""
@@ -102,7 +104,7 @@ def stream_in_thread(url: str, path: str, body: dict[str, Any], *, headers: dict
 
     def run() -> None:
         try:
-            with httpx.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=timeout) as r:
+            with HTTP.stream("POST", f"{url}{path}", json=body, headers=headers, timeout=timeout) as r:
                 stream.status = r.status_code
                 stream.headers = dict(r.headers)
                 if r.status_code != 200:

@@ -194,8 +194,11 @@ TINY_ARCHS = {
 
 
 def write_tiny_checkpoint(folder: Path, arch: str, tokenizer, *, shard: bool = False) -> Path:
-    """A random model with the real SmolLM2 tokenizer, saved by transformers itself."""
+    """A random model with the real SmolLM2 tokenizer, saved by transformers itself (its added
+    tokens listed in tokenizer_config.json, as a hub repository's are)."""
     import transformers
+
+    from chatserve.models.loader import list_added_tokens
 
     cls_name, extra = TINY_ARCHS[arch]
     config_cls = getattr(transformers, cls_name)
@@ -229,6 +232,7 @@ def write_tiny_checkpoint(folder: Path, arch: str, tokenizer, *, shard: bool = F
     kwargs = {"max_shard_size": "1MB"} if shard else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(folder)
+    list_added_tokens(folder)  # as a hub repository's tokenizer_config.json lists them (loads faster)
     return folder
 
 

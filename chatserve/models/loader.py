@@ -371,17 +371,17 @@ def _skeleton_config(source: ModelSource, path: Path, header: Any) -> Any:
 
 def _saved_tokenizer(tokenizer: Any, parent: Path) -> Path:
     """The tokenizer saved into a new temporary folder under `parent`, its tokenizer_config.json
-    listing the added tokens (`_list_added_tokens`)."""
+    listing the added tokens (`list_added_tokens`)."""
     import tempfile
 
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".tmp-"))
     tokenizer.save_pretrained(tmp)
-    _list_added_tokens(tmp)
+    list_added_tokens(tmp)
     return tmp
 
 
-def _list_added_tokens(folder: Path) -> None:
+def list_added_tokens(folder: Path) -> None:
     """Write tokenizer.json's added tokens into tokenizer_config.json as `added_tokens_decoder`, the
     shape a Hugging Face repository's tokenizer_config.json has them in.
 

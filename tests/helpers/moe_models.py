@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chatserve.models.loader import list_added_tokens
+
 from .tiny_gguf import add_default_tokenizer
 
 # head_dim 32: the fused C++ rotary and paged attention kernels' sizes (smaller heads take torch paths)
@@ -67,6 +69,7 @@ def write_tiny_moe(folder: Path, family: str, tokenizer, seed: int = 1234, snap_
                     p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t)))
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    list_added_tokens(folder)  # as a hub repository's tokenizer_config.json lists them (loads faster)
     return folder
 
 

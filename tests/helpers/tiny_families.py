@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from chatserve.models.loader import list_added_tokens
+
 WINDOW = 16
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -89,6 +91,7 @@ def write_family_checkpoint(folder: Path, name: str, tokenizer: Any) -> Path:
     model = build_hf_model(name, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    list_added_tokens(folder)  # as a hub repository's tokenizer_config.json lists them (loads faster)
     return folder
 
 

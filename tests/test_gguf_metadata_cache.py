@@ -185,13 +185,18 @@ def test_the_skeleton_with_our_arrays_is_transformers_parse_of_the_whole_file(tm
         assert len(fast["tokenizer"]["tokens"]) == len(smollm_tokenizer) and fast["tokenizer"]["merges"]
 
 
-def test_an_unwritable_cache_falls_back_to_reading_the_gguf(tmp_path, monkeypatch):
+def test_an_unwritable_cache_falls_back_to_reading_the_gguf(tmp_path, monkeypatch, whole_default_parse, default_gguf):
+    """No folder can be written: the tokenizer is read through transformers straight from the GGUF
+    (whose parse of the default file is the module's one, `whole_default_parse`)."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache folder would be")
     monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(blocker))
     source = resolve_model(None)
     assert gguf_metadata_folder(source) is None
+    _parse_of_the_default_file_from(whole_default_parse, default_gguf, monkeypatch)
+    reads = _whole_parses(monkeypatch)
     assert load_tokenizer(source)(TEXT).input_ids  # still loads, straight from the GGUF
+    assert reads == [Path(default_gguf).name]  # transformers asked for the file's metadata
 
 
 def test_a_conversion_parses_the_gguf_metadata_once(monkeypatch):

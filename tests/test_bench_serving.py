@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
+import os
 import threading
 from pathlib import Path
 
 import pytest
 
+from .helpers import prefork
 from .helpers.net import free_port, wait_until
 from .helpers.server import ROOT, ServerProcess, start_server
 
@@ -21,11 +21,11 @@ DIST_KEYS = {"p50", "p90", "p99", "mean"}
 
 
 def run_bench(base_url: str, tmp_path: Path, name: str, *args: str, timeout: float = 120) -> dict:
+    """`python scripts/bench_serving.py ...` as a user runs it (a fork of the warm fork server:
+    tests/helpers/prefork.py), its JSON result."""
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--base-url", base_url, "--json", str(out), "--no-progress", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-    )
+    proc = prefork.run([str(SCRIPT), "--base-url", base_url, "--json", str(out), "--no-progress", *args],
+                       env=os.environ, cwd=ROOT, timeout=timeout, out_dir=tmp_path / f"{name}-output")
     assert proc.returncode == 0, f"bench_serving failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert "| metric" in proc.stdout  # the table
     return json.loads(out.read_text())
@@ -80,9 +80,8 @@ def test_shared_prefix_and_multi_turn_sessions_against_chatserve(server: ServerP
 
     if importlib.util.find_spec("matplotlib") is not None:
         png = tmp_path / "p.png"
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--side-by-side", str(tmp_path / "mt.json"),
-                               str(tmp_path / "sp.json"), "--plot", str(png)], capture_output=True, text=True,
-                              timeout=60)
+        proc = prefork.run([str(SCRIPT), "--side-by-side", str(tmp_path / "mt.json"), str(tmp_path / "sp.json"),
+                            "--plot", str(png)], env=os.environ, cwd=ROOT, timeout=60, out_dir=tmp_path / "plot-output")
         assert proc.returncode == 0, proc.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

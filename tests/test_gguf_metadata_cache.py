@@ -103,6 +103,33 @@ def _added(tokenizer) -> dict[int, tuple]:
     return {i: tuple(getattr(t, k) for k in _FIELDS) for i, t in tokenizer.added_tokens_decoder.items()}
 
 
+def test_list_added_tokens_writes_the_list_only_where_the_legacy_files_are_absent(tmp_path):
+    """tokenizer.json's added tokens go into tokenizer_config.json as `added_tokens_decoder`; a folder
+    that already lists them, or whose special_tokens_map.json / added_tokens.json only transformers'
+    legacy path reads, is left byte for byte as it was."""
+    from chatserve.models.loader import list_added_tokens
+
+    token = {"id": 7, "content": "<x>", "single_word": False, "lstrip": True, "rstrip": False,
+             "normalized": False, "special": True}
+    cases = {"plain": {}, "mapped": {"special_tokens_map.json": "{}"}, "legacy": {"added_tokens.json": "{}"},
+             "listed": {"tokenizer_config.json": '{"added_tokens_decoder": {}}'}}
+    for name, extra in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(json.dumps({"added_tokens": [token], "model": {}}))
+        (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "TokenizersBackend"}')
+        for file, text in extra.items():
+            (folder / file).write_text(text)
+        before = _files(folder)
+        list_added_tokens(folder)
+        if name == "plain":
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            assert config == {"tokenizer_class": "TokenizersBackend", "added_tokens_decoder": {
+                "7": {k: v for k, v in token.items() if k != "id"}}}
+        else:
+            assert _files(folder) == before, name
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     """Every file of a metadata folder but source.txt (which names the source file)."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "source.txt"}

@@ -390,9 +390,13 @@ def list_added_tokens(folder: Path) -> None:
     whole tokenizer.json in Python (3.5 MB for SmolLM2: ~0.15 s of each load, each server start and
     each `LLM(...)`) only to read this list back. The tokens are the same either way (the same
     AddedToken fields from the same file; tests/test_gguf_metadata_cache.py compares the two).
+    A folder with a special_tokens_map.json or added_tokens.json is left as it is: only that legacy
+    path reads those files, so listing the tokens would change what the tokenizer gets.
     """
     tokenizer_json, config_json = folder / "tokenizer.json", folder / "tokenizer_config.json"
     if not (tokenizer_json.is_file() and config_json.is_file()):
+        return
+    if (folder / "special_tokens_map.json").exists() or (folder / "added_tokens.json").exists():
         return
     config = json.loads(config_json.read_text(encoding="utf-8"))
     if "added_tokens_decoder" in config:

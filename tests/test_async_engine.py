@@ -7,9 +7,9 @@ Everything runs a tiny random Llama (float32) on the CPU. Each test drives the e
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
-import statistics
-import time
+import threading
 
 import pytest
 
@@ -256,21 +256,22 @@ def test_chunked_prefill_keeps_streams_alive(tiny):
         # warm up: the first chunked prefill pays one-time costs (~0.2 s of torch/oneDNN set-up on a CPU)
         await collect(engine, {"prompt_token_ids": random_ids(rng, 200, 200)}, SamplingParams(max_tokens=2))
         params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-        events: dict[str, list[tuple[float, int]]] = {"a": [], "b": []}
+        order = itertools.count()  # where each output falls relative to the long request: no clock
+        events: dict[str, list[tuple[int, int]]] = {"a": [], "b": []}
 
         async def stream(rid):
             async for out in engine.generate({"prompt_token_ids": random_ids(rng, 8, 8)}, params, rid):
-                events[rid].append((time.perf_counter(), len(out.outputs[0].token_ids)))
+                events[rid].append((next(order), len(out.outputs[0].token_ids)))
                 if out.finished or len(events[rid]) >= 60:
                     break
 
         tasks = [asyncio.create_task(stream(rid)) for rid in events]
         while min(len(e) for e in events.values()) < 10:
             await asyncio.sleep(0.001)
-        t_submit = time.perf_counter()
+        t_submit = next(order)
         long_outs = [o async for o in engine.generate({"prompt_token_ids": random_ids(rng, 480, 480)},
                                                        SamplingParams(temperature=0.0, max_tokens=1), "long")]
-        t_long = time.perf_counter()
+        t_long = next(order)
         assert long_outs[-1].finished
         await asyncio.gather(*tasks)
 
@@ -279,12 +280,6 @@ def test_chunked_prefill_keeps_streams_alive(tiny):
             # 480 tokens in chunks of 64 - 2 decode tokens: >= 8 steps, each one also decodes this stream
             assert len(during) >= 7, (rid, during)
             assert during == list(range(during[0], during[0] + len(during))), "one token per step, no stall"
-            gaps = [t1 - t0 for (t0, _), (t1, _) in zip(ev, ev[1:])]
-            gaps_during = [t1 - t0 for (t0, _), (t1, _) in zip(ev, ev[1:]) if t_submit <= t1 <= t_long]
-            median = statistics.median(gaps)
-            # NOTE: 3x the median gap, plus 50 ms for a noisy shared CPU (a whole 480-token prefill in
-            # one step would be a single long gap; the token-per-step check above is the strict one).
-            assert max(gaps_during) < 3 * median + 0.05, (rid, median, gaps_during)
         await assert_idle(engine)
         await engine.shutdown()
 
@@ -321,26 +316,51 @@ def test_failing_step_kills_every_stream_and_refuses_new_work(tiny):
     run(main(), timeout=30)
 
 
-def test_event_loop_stays_responsive_during_generation(tiny):
+def test_event_loop_serves_other_work_while_a_step_runs(tiny):
+    """Steps run on the engine's own thread, so the event loop (every other stream, every HTTP
+    request) keeps running while a step computes. Checked without a clock: for the first steps,
+    the step itself waits, off the loop, until the loop has answered it; a step run on the loop
+    thread (or one that blocked it) could never be answered, and the handshake would time out."""
     engine = make_engine(tiny)
     rng = random.Random(7)
+    handshakes = 12
+    step_started = threading.Event()
+    answered = threading.Event()
+    step_threads: list[int] = []
+    unanswered: list[int] = []
+    execute = engine.engine.runner.execute
+
+    loop_thread = threading.get_ident()  # asyncio.run below runs the loop on this thread
+
+    def waits_for_the_loop(*args, **kwargs):
+        step_threads.append(threading.get_ident())
+        # (a step on the loop thread must not wait: nothing could answer it)
+        if step_threads[-1] != loop_thread and len(step_threads) <= handshakes and not unanswered:
+            step_started.set()
+            if not answered.wait(timeout=10):  # a hang guard: the loop answers within milliseconds
+                unanswered.append(len(step_threads))
+            answered.clear()
+        return execute(*args, **kwargs)
+
+    engine.engine.runner.execute = waits_for_the_loop  # the instance only: this engine is thrown away
 
     async def main():
-        params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
-        gens = [collect(engine, {"prompt_token_ids": random_ids(rng, 200, 300)}, params) for _ in range(8)]
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        gens = [collect(engine, {"prompt_token_ids": random_ids(rng, 20, 60)}, params) for _ in range(4)]
         gen_task = asyncio.gather(*gens)
-        lateness = []
-        while not gen_task.done():
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.01)
-            lateness.append(time.perf_counter() - t0 - 0.01)
+        for i in range(handshakes):
+            while not step_started.is_set() and not gen_task.done():  # the step waits for the loop
+                await asyncio.sleep(0.001)
+            assert step_started.is_set(), "no step waited for the loop: steps ran on the loop's thread"
+            step_started.clear()
+            assert len(step_threads) == i + 1 and not gen_task.done()
+            assert engine.stats()["num_live_requests"] == 4  # loop-side work while the step is parked
+            answered.set()
         outs = await gen_task
-        assert all(o[-1].finished for o in outs)
-        assert engine.stats()["num_steps"] >= 150 and len(lateness) > 20
-        # NOTE: one-off stalls (a oneDNN kernel JIT-compiled for a new batch shape while the step
-        # thread holds the GIL, a GC pass) are bounded loosely; typical lateness must stay tiny.
-        assert max(lateness) < 0.5, sorted(lateness)[-5:]
-        assert sorted(lateness)[int(0.95 * len(lateness))] < 0.05, sorted(lateness)[-5:]
+        assert not unanswered, f"steps {unanswered} were never answered by the event loop"
+        assert all(o[-1].finished and len(o[-1].outputs[0].token_ids) == 40 for o in outs)
+        assert loop_thread not in step_threads and len(set(step_threads)) == 1  # one engine thread
+        await assert_idle(engine)
         await engine.shutdown()
 
     run(main())

@@ -332,7 +332,6 @@ def test_stop_mid_stream(page: Any, base_url: str) -> None:
     stop = one(driver, "stop-button")
     assert stop.is_displayed()
     shot(driver, "before-stop")
-    t0 = time.monotonic()
     stop.click()
 
     reply = wait_until(
@@ -344,7 +343,6 @@ def test_stop_mid_stream(page: Any, base_url: str) -> None:
         10,
         "the reply to end as stopped",
     )
-    stopped_after = time.monotonic() - t0
     assert "Stopped" in reply.text
     assert one(driver, "stop-button").get_attribute("hidden") is not None
     assert one(driver, "message-input").is_enabled()
@@ -361,7 +359,6 @@ def test_stop_mid_stream(page: Any, base_url: str) -> None:
     assert status == 200, session
     assert session["messages"][-1]["role"] == "assistant"
     assert session["messages"][-1]["finish_reason"] == "abort"
-    assert stopped_after < 10
     assert_no_dialogs(driver)
 
 

@@ -665,3 +665,52 @@ async def test_outage_raises_unavailable_fast_then_recovers(own_redis: RedisProc
         assert (await store.health())["ok"]
     finally:
         await store.close()
+
+
+class _CountingListener:
+    """A TCP listener that counts the connections made to it and either closes each one at once (a
+    Redis that drops connections) or holds it without a byte of reply (a hung Redis)."""
+
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+        self._held: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._on_connect, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}/0"
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        if self.answer == "close":
+            writer.close()
+        else:
+            self._held.append(writer)
+
+    async def __aexit__(self, *exc: object) -> None:
+        for writer in self._held:
+            writer.close()
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+
+@pytest.mark.parametrize("answer", ["close", "hang"])
+async def test_an_outage_costs_each_call_one_connection_and_one_retry(answer: str) -> None:
+    """Why an outage answers fast (what a bound on elapsed time would check, counted instead): each
+    call opens at most two connections (the one retry, on connection errors only), and a hung server
+    costs one socket timeout, not a retry loop. A retry storm, or retries on timeouts, fails here."""
+    listener = _CountingListener(answer)
+    per_call = {"close": 2, "hang": 1}[answer]
+    async with listener as url:
+        store = RedisSessionStore(url, prefix="chatserve-count:", socket_timeout=0.2, connect_timeout=0.2)
+        try:
+            calls = [store.get("sess_" + "0" * 25), store.list(), store.create(), store.ping()]
+            for made, call in enumerate(calls, start=1):
+                with pytest.raises(SessionStoreUnavailable):
+                    await call
+                assert listener.connections == per_call * made, (answer, made, listener.connections)
+        finally:
+            await store.close()

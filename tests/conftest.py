@@ -198,7 +198,7 @@ def write_tiny_checkpoint(folder: Path, arch: str, tokenizer, *, shard: bool = F
     tokens listed in tokenizer_config.json, as a hub repository's are)."""
     import transformers
 
-    from chatserve.models.loader import list_added_tokens
+    from chatserve.models.loader import save_tokenizer
 
     cls_name, extra = TINY_ARCHS[arch]
     config_cls = getattr(transformers, cls_name)
@@ -231,8 +231,7 @@ def write_tiny_checkpoint(folder: Path, arch: str, tokenizer, *, shard: bool = F
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     kwargs = {"max_shard_size": "1MB"} if shard else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
-    tokenizer.save_pretrained(folder)
-    list_added_tokens(folder)  # as a hub repository's tokenizer_config.json lists them (loads faster)
+    save_tokenizer(tokenizer, folder)  # the added tokens listed, as a hub repository's are
     return folder
 
 

@@ -268,15 +268,15 @@ def test_chunked_prefill_keeps_streams_alive(tiny):
         tasks = [asyncio.create_task(stream(rid)) for rid in events]
         while min(len(e) for e in events.values()) < 10:
             await asyncio.sleep(0.001)
-        t_submit = next(order)
+        at_submit = next(order)
         long_outs = [o async for o in engine.generate({"prompt_token_ids": random_ids(rng, 480, 480)},
                                                        SamplingParams(temperature=0.0, max_tokens=1), "long")]
-        t_long = next(order)
+        at_long = next(order)
         assert long_outs[-1].finished
         await asyncio.gather(*tasks)
 
         for rid, ev in events.items():
-            during = [n for t, n in ev if t_submit <= t <= t_long]
+            during = [n for t, n in ev if at_submit <= t <= at_long]
             # 480 tokens in chunks of 64 - 2 decode tokens: >= 8 steps, each one also decodes this stream
             assert len(during) >= 7, (rid, during)
             assert during == list(range(during[0], during[0] + len(during))), "one token per step, no stall"

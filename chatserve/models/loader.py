@@ -370,15 +370,20 @@ def _skeleton_config(source: ModelSource, path: Path, header: Any) -> Any:
 
 
 def _saved_tokenizer(tokenizer: Any, parent: Path) -> Path:
-    """The tokenizer saved into a new temporary folder under `parent`, its tokenizer_config.json
-    listing the added tokens (`list_added_tokens`)."""
+    """The tokenizer saved into a new temporary folder under `parent` (`save_tokenizer`)."""
     import tempfile
 
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".tmp-"))
-    tokenizer.save_pretrained(tmp)
-    list_added_tokens(tmp)
+    save_tokenizer(tokenizer, tmp)
     return tmp
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """`tokenizer.save_pretrained(folder)`, its tokenizer_config.json then listing the added tokens
+    as a hub repository's does (`list_added_tokens`), so every later load of the folder is fast."""
+    tokenizer.save_pretrained(folder)
+    list_added_tokens(folder)
 
 
 def list_added_tokens(folder: Path) -> None:

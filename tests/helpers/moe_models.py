@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chatserve.models.loader import list_added_tokens
+from chatserve.models.loader import save_tokenizer
 
 from .tiny_gguf import add_default_tokenizer
 
@@ -68,8 +68,7 @@ def write_tiny_moe(folder: Path, family: str, tokenizer, seed: int = 1234, snap_
                     w = p.detach().float().numpy()
                     p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t)))
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    list_added_tokens(folder)  # as a hub repository's tokenizer_config.json lists them (loads faster)
+    save_tokenizer(tokenizer, folder)  # the added tokens listed, as a hub repository's are
     return folder
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chatserve.models.loader import list_added_tokens
+from chatserve.models.loader import save_tokenizer
 
 WINDOW = 16
 
@@ -90,8 +90,7 @@ def build_hf_model(name: str, vocab_size: int, bos: int | None = None, eos: int 
 def write_family_checkpoint(folder: Path, name: str, tokenizer: Any) -> Path:
     model = build_hf_model(name, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    list_added_tokens(folder)  # as a hub repository's tokenizer_config.json lists them (loads faster)
+    save_tokenizer(tokenizer, folder)  # the added tokens listed, as a hub repository's are
     return folder
 
 

@@ -1,9 +1,9 @@
 """`/v1/chat/completions`, `/v1/completions` and `/v1/models`: OpenAI's contract, streamed or not.
 
-Each POST route reads the path of a request top to bottom: parse the body, refuse what cannot
-be served (model, limits, capacity), turn the messages or prompts into `ProcessedPrompt`s through
-the engine's input processor (template, tokenize, validate: once; its `PromptError` is a 400
-naming the field), build the `SamplingParams`, start the `Generation`, then stream or collect it.
+Each POST route is parse-then-serve: the body is validated, and an adapter hands the serving
+pipeline (`server/pipeline.py`) what only this API knows: its limits and stream policy, its prompt
+builder (the chat template for chat, the prompts as sent for completions) and its output format
+(OpenAI's chunks and bodies, `chat/chunks.py`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.server.chat.choices import Accumulator
 from chatserve.server.chat.chunks import ChatFormat, CompletionFormat, ReplyFormat
 from chatserve.server.chat.generation import Generation
-from chatserve.server.chat.params import build_sampling_params, cap_max_tokens, check_limits
+from chatserve.server.chat.params import check_limits
 from chatserve.server.chat.prompts import chat_prompt_ids
 from chatserve.server.chat.replies import collect_reply, logged_stream, stream_events, stream_policy
-from chatserve.server.chat.structured import check_constraint, request_constraint
 from chatserve.server.chat.tool_replies import ToolChatFormat
 from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, bad_request
 from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.streams.event_log import event_log_errors
 from chatserve.server.streams.resume import MAX_ID_LEN, cursor, follow_sse
 from chatserve.server.streams.runs import DisconnectPolicy
@@ -50,28 +50,73 @@ def chat_prompt_and_plan(ctx: ServerContext, body: ChatCompletionRequest) -> tup
     return prompt, plan
 
 
+class ChatAdapter(ServingAdapter):
+    """`/v1/chat/completions` over the serving pipeline."""
+
+    def __init__(self, body: ChatCompletionRequest, request_id: str) -> None:
+        super().__init__(request_id, body.model)
+        self.body = body
+        self.policy: DisconnectPolicy | None = None
+
+    def admit(self, ctx: ServerContext) -> None:
+        check_limits(ctx.settings, self.body)
+        self.policy = stream_policy(ctx, self.body)
+
+    async def prepare(self, ctx: ServerContext) -> ServeSpec:
+        body = self.body
+        ids, plan = chat_token_ids(ctx, body)
+        return ServeSpec([ids], body, body.effective_max_tokens(), body.num_logprobs(), tools=plan)
+
+    async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
+        body, plan = self.body, spec.tools
+        cid, created, top = f"chatcmpl-{self.request_id}", int(time.time()), body.top_logprobs or 0
+        fmt = ToolChatFormat(cid, created, ctx.model_name, top, plan) if plan is not None and plan.parses_calls \
+            else ChatFormat(cid, created, ctx.model_name, top)
+        return await respond(request, ctx, body, self.request_id, gen, Accumulator(body.n), fmt, self.policy)
+
+
+class CompletionAdapter(ServingAdapter):
+    """`/v1/completions` over the serving pipeline: several prompts, each with `n` choices."""
+
+    names = FieldNames(prompt="prompt")
+
+    def __init__(self, body: CompletionRequest, request_id: str) -> None:
+        super().__init__(request_id, body.model)
+        self.body = body
+        self.policy: DisconnectPolicy | None = None
+
+    def admit(self, ctx: ServerContext) -> None:
+        body = self.body
+        check_limits(ctx.settings, body)
+        if len(body.prompts()) * body.n > ctx.settings.max_n:
+            raise bad_request(f"prompts x n must be at most {ctx.settings.max_n}", param="prompt")
+        self.policy = stream_policy(ctx, body)
+
+    async def prepare(self, ctx: ServerContext) -> ServeSpec:
+        body = self.body
+        # an explicit max_tokens must fit beside each prompt; the default (16) is only lowered
+        return ServeSpec(list(body.prompts()), body, body.max_tokens, body.logprobs,
+                         refuse_overflow="max_tokens" in body.model_fields_set)
+
+    async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
+        body = self.body
+        acc = Accumulator(len(gen.prompts) * body.n)
+        texts = [_prompt_text(ctx, p) if body.echo else "" for p in gen.prompts]
+        echo = [texts[i // body.n] for i in range(len(acc.choices))]
+        fmt = CompletionFormat(f"cmpl-{self.request_id}", int(time.time()), ctx.model_name, body.logprobs or 0, echo)
+        return await respond(request, ctx, body, self.request_id, gen, acc, fmt, self.policy)
+
+
 async def chat_completions(request: Request) -> Response:
     ctx = get_context(request)
     body = await read_model(request, ChatCompletionRequest, ctx.settings)
-    request_id = request_id_from(request, ctx.settings)
-    ctx.check_model(body.model)
-    check_limits(ctx.settings, body)
-    policy = stream_policy(ctx, body)
-    ctx.check_capacity()
-    max_tokens = body.effective_max_tokens()
-    prompt, plan = chat_prompt_and_plan(ctx, body)
-    params = build_sampling_params(body, max_tokens, body.num_logprobs())
-    cap_max_tokens(params, ctx.max_model_len, prompt.num_tokens)
-    constraint = request_constraint(body, plan)
-    if constraint is not None:
-        params.structured_outputs = constraint.params
-        await check_constraint(ctx.engine, constraint, params)  # a grammar that cannot compile: 400, nothing queued
-    gen = Generation(ctx, request_id, [prompt], params)
-    acc = Accumulator(body.n)
-    cid, created, top = f"chatcmpl-{request_id}", int(time.time()), body.top_logprobs or 0
-    fmt = ToolChatFormat(cid, created, ctx.model_name, top, plan) if plan is not None and plan.parses_calls \
-        else ChatFormat(cid, created, ctx.model_name, top)
-    return await respond(request, ctx, body, request_id, gen, acc, fmt, policy)
+    return await serve(request, ChatAdapter(body, request_id_from(request, ctx.settings)))
+
+
+async def completions(request: Request) -> Response:
+    ctx = get_context(request)
+    body = await read_model(request, CompletionRequest, ctx.settings)
+    return await serve(request, CompletionAdapter(body, request_id_from(request, ctx.settings)))
 
 
 async def respond(request: Request, ctx: ServerContext, body: ChatCompletionRequest | CompletionRequest, request_id: str,
@@ -89,53 +134,18 @@ async def respond(request: Request, ctx: ServerContext, body: ChatCompletionRequ
     return JSONResponse(fmt.reply(acc, gen.usage), headers=headers)
 
 
-def completion_prompts(ctx: ServerContext, body: CompletionRequest) -> list[ProcessedPrompt]:
-    """Each prompt (text or token ids) tokenized and checked once; an explicit max_tokens must fit."""
-    max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
-    return [
-        ctx.engine.input_processor.process(p if isinstance(p, str) else {"prompt_token_ids": p},
-                                           max_tokens=max_tokens, param="prompt")
-        for p in body.prompts()
-    ]
-
-
-async def completions(request: Request) -> Response:
-    ctx = get_context(request)
-    body = await read_model(request, CompletionRequest, ctx.settings)
-    request_id = request_id_from(request, ctx.settings)
-    ctx.check_model(body.model)
-    check_limits(ctx.settings, body)
-    if len(body.prompts()) * body.n > ctx.settings.max_n:
-        raise bad_request(f"prompts x n must be at most {ctx.settings.max_n}", param="prompt")
-    policy = stream_policy(ctx, body)
-    ctx.check_capacity()
-    prompts = completion_prompts(ctx, body)
-    params = build_sampling_params(body, body.max_tokens, body.logprobs)
-    # One max_tokens for all prompts: the room the longest leaves (only lowers an implicit one).
-    cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
-    constraint = request_constraint(body, None)
-    if constraint is not None:
-        params.structured_outputs = constraint.params
-        await check_constraint(ctx.engine, constraint, params)
-    gen = Generation(ctx, request_id, prompts, params)
-    acc = Accumulator(len(prompts) * body.n)
-    texts = [_prompt_text(ctx, p) if body.echo else "" for p in prompts]
-    echo = [texts[i // body.n] for i in range(len(acc.choices))]
-    fmt = CompletionFormat(f"cmpl-{request_id}", int(time.time()), ctx.model_name, body.logprobs or 0, echo)
-    return await respond(request, ctx, body, request_id, gen, acc, fmt, policy)
-
-
 def _prompt_text(ctx: ServerContext, prompt: ProcessedPrompt) -> str:
     """What `echo` repeats: the prompt as sent, or its token ids decoded."""
     return prompt.prompt if prompt.prompt is not None else ctx.engine.tokenizer.decode(prompt.prompt_token_ids)
 
 
 async def list_models(request: Request) -> JSONResponse:
+    """One entry per served name (`--served-model-name A B`), the name replies report first."""
     ctx = get_context(request)
     return JSONResponse({"object": "list", "data": [{
-        "id": ctx.model_name, "object": "model", "created": ctx.started_at,
+        "id": name, "object": "model", "created": ctx.started_at,
         "owned_by": "chatserve", "max_model_len": ctx.max_model_len,
-    }]})
+    } for name in ctx.served_model_names]})
 
 
 async def resume_stream(request: Request) -> Response:

@@ -24,15 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from chatserve.engine.input_processor import PromptError
 from chatserve.server.chat.generation import Generation
-from chatserve.server.chat.params import build_sampling_params, cap_max_tokens
 from chatserve.server.chat.prompts import chat_prompt_ids, continue_history, next_tool_turn_ids
-from chatserve.server.chat.structured import check_constraint, request_constraint
 from chatserve.server.chat.tool_request import ToolPlan, conversation, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, bad_request
 from chatserve.server.http_input import parse_model, read_body
+from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.responses.input import chat_messages, clean_param, input_items
 from chatserve.server.responses.protocol import ResponsesRequest
 from chatserve.server.responses.run import TERMINAL, ResponseRun
@@ -123,65 +121,63 @@ def _first_instructions(prev: dict[str, Any]) -> str | None:
 
 
 # ---- POST /v1/responses -----------------------------------------------------------------------------
+class ResponsesAdapter(ServingAdapter):
+    """`POST /v1/responses` over the serving pipeline: items in, typed events out, the record stored."""
+
+    names = FieldNames(prompt="input", max_tokens="max_output_tokens", rename=lambda p: _responses_param(p))
+
+    def __init__(self, body: ResponsesRequest) -> None:
+        super().__init__(new_response_id(), body.model)
+        self.body = body
+        self.store: ResponseStore | None = None
+        self.policy: DisconnectPolicy | None = None
+
+    def admit(self, ctx: ServerContext) -> None:
+        self.store = _store(ctx) if self.body.store else None
+        self.policy = _disconnect_policy(ctx, self.body)
+
+    async def prepare(self, ctx: ServerContext) -> ServeSpec:
+        body = self.body
+        plan = plan_tools(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls,
+                          ctx.engine.input_processor, ctx.chat_template)
+        ids, instructions = await _prompt_ids(ctx, body, plan)
+        return ServeSpec([ids], body.sampling_fields(), body.max_output_tokens, None, tools=plan,
+                         extra={"instructions": instructions})
+
+    async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
+        body, rid, policy = self.body, self.request_id, self.policy
+        assert policy is not None
+        run = ResponseRun(gen, body, spec.tools, response_id=rid, model=ctx.model_name,
+                          prompt_ids=gen.prompts[0].prompt_token_ids, input_items=input_items(body), store=self.store,
+                          instructions=spec.extra["instructions"])
+        try:
+            with store_errors():
+                await run.save_start()
+        except BaseException:
+            await gen.cancel("store_unavailable")
+            raise
+        headers = {"X-Request-Id": rid}
+        if policy.mode == "detach":
+            return await _start_detached(ctx, run, policy, headers)
+        if body.stream:
+            return sse_response(_sse(ctx, run), keepalive_s=ctx.settings.sse_keepalive_s, headers=headers,
+                                numbered=False)
+
+        async def collect() -> None:
+            async for _ in run.events():
+                pass
+
+        events_done, _ = await run_or_disconnect(collect(), request.receive)
+        if not events_done:
+            ctx.spawn(run.abandoned())
+            raise APIError(499, "client closed the request")
+        assert run.final is not None
+        return JSONResponse(run.final, headers=headers)
+
+
 async def create_response(request: Request) -> Response:
     ctx = get_context(request)
-    body = await _read_body(request, ctx)
-    ctx.check_model(body.model)
-    store = _store(ctx) if body.store else None
-    policy = _disconnect_policy(ctx, body)
-    ctx.check_capacity()
-    fields = body.sampling_fields()
-    plan = plan_tools(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls,
-                      ctx.engine.input_processor, ctx.chat_template)
-    ids, instructions = await _prompt_ids(ctx, body, plan)
-    try:
-        prompt = ctx.engine.input_processor.process({"prompt_token_ids": ids}, max_tokens=body.max_output_tokens,
-                                                    param="input")
-    except PromptError as exc:  # the reply's budget is max_output_tokens here
-        if exc.param == "max_tokens":
-            raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), param="max_output_tokens",
-                           code=exc.code) from None
-        raise
-    params = build_sampling_params(fields, body.max_output_tokens, None)
-    cap_max_tokens(params, ctx.max_model_len, prompt.num_tokens)
-    try:
-        constraint = request_constraint(fields, plan)
-        if constraint is not None:
-            params.structured_outputs = constraint.params
-            await check_constraint(ctx.engine, constraint, params)
-    except APIError as exc:  # named in chat's terms (response_format, tools.0.function...): say it in ours
-        if exc.param is not None:
-            ours = _responses_param(exc.param)
-            exc.message = exc.message.replace(exc.param, ours, 1)
-            exc.param = ours
-        raise
-    rid = new_response_id()
-    gen = Generation(ctx, rid, [prompt], params)
-    run = ResponseRun(gen, body, plan, response_id=rid, model=ctx.model_name, prompt_ids=prompt.prompt_token_ids,
-                      input_items=input_items(body), store=store, instructions=instructions)
-    try:
-        with store_errors():
-            await run.save_start()
-    except BaseException:
-        await gen.cancel("store_unavailable")
-        raise
-    headers = {"X-Request-Id": rid}
-    if policy.mode == "detach":
-        return await _start_detached(ctx, run, policy, headers)
-    if body.stream:
-        return sse_response(_sse(ctx, run), keepalive_s=ctx.settings.sse_keepalive_s, headers=headers,
-                            numbered=False)
-
-    async def collect() -> None:
-        async for _ in run.events():
-            pass
-
-    events_done, _ = await run_or_disconnect(collect(), request.receive)
-    if not events_done:
-        ctx.spawn(run.abandoned())
-        raise APIError(499, "client closed the request")
-    assert run.final is not None
-    return JSONResponse(run.final, headers=headers)
+    return await serve(request, ResponsesAdapter(await _read_body(request, ctx)))
 
 
 def _responses_param(param: str) -> str:

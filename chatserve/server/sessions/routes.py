@@ -23,15 +23,15 @@ from starlette.routing import Route
 from chatserve.server.chat.choices import Accumulator
 from chatserve.server.chat.chunks import ChatFormat
 from chatserve.server.chat.generation import Generation
-from chatserve.server.chat.params import build_sampling_params, cap_max_tokens, check_limits, check_stop_list
+from chatserve.server.chat.params import check_limits, check_stop_list
 from chatserve.server.chat.prompts import next_tool_turn_ids
 from chatserve.server.chat.replies import collect_reply, logged_stream, stream_events, stream_policy
-from chatserve.server.chat.structured import check_constraint, request_constraint
 from chatserve.server.chat.tool_replies import ToolChatFormat
 from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, bad_request
 from chatserve.server.http_input import read_model, request_id_from
+from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.sessions.cache import report_for_api, turn_kv
 from chatserve.server.sessions.prompts import first_tool_turn_ids, first_turn_ids, new_messages, next_turn_ids, stored_user_text
 from chatserve.server.sessions.protocol import (
@@ -42,6 +42,7 @@ from chatserve.server.sessions.protocol import (
     UpdateSessionRequest,
 )
 from chatserve.server.sessions.turn import SessionTurn, reply_stats, store_errors
+from chatserve.server.streams.runs import DisconnectPolicy
 from chatserve.server.streams.sse import sse_response
 from chatserve.sessions import Message, Session, SessionNotFound, SessionStore
 from chatserve.sessions.models import turn_bounds
@@ -178,88 +179,105 @@ async def regenerate(request: Request) -> Response:
 
 async def _run_turn(request: Request, body: SessionMessageRequest | SessionRegenerateRequest, plan: PlanTurn,
                     *, param: str) -> Response:
-    """One locked turn of a session: the prompt from `plan`, then the reply streamed or whole, and
-    the turn stored once at its end (with its stats) whatever happens to the client."""
+    """One locked turn of a session through the serving pipeline (`TurnAdapter`)."""
     ctx = get_context(request)
-    store = _store(ctx)
-    sid = request.path_params["session_id"]
-    request_id = request_id_from(request, ctx.settings)
-    ctx.check_model(body.model)
-    if body.n != 1:
-        raise bad_request("a session turn has exactly one reply; n must be 1", param="n")
-    check_limits(ctx.settings, body)
-    policy = stream_policy(ctx, body)
-    ctx.check_capacity()
-    with store_errors():
-        session = await store.get(sid)
-        if session is None:
-            raise SessionNotFound(sid)
-        token = await store.acquire_turn_lock(sid, ctx.settings.session_turn_lock_ttl_s)
-    turn: SessionTurn | None = None
-    try:
+    adapter = TurnAdapter(body, request_id_from(request, ctx.settings), request.path_params["session_id"], plan,
+                          param=param)
+    return await serve(request, adapter)
+
+
+class TurnAdapter(ServingAdapter):
+    """A session turn over the serving pipeline: the prompt from `plan` under the session's turn lock,
+    then the reply streamed or whole, and the turn stored once at its end (with its stats) whatever
+    happens to the client."""
+
+    def __init__(self, body: SessionMessageRequest | SessionRegenerateRequest, request_id: str, sid: str,
+                 plan: PlanTurn, *, param: str) -> None:
+        super().__init__(request_id, body.model)
+        self.body = body
+        self.sid = sid
+        self.plan = plan
+        self.names = FieldNames(prompt=param)
+        self.policy: DisconnectPolicy | None = None
+        self.store: SessionStore | None = None
+        self.token: str | None = None  # the turn lock, once taken
+        self.turn: SessionTurn | None = None
+
+    def admit(self, ctx: ServerContext) -> None:
+        self.store = _store(ctx)
+        if self.body.n != 1:
+            raise bad_request("a session turn has exactly one reply; n must be 1", param="n")
+        check_limits(ctx.settings, self.body)
+        self.policy = stream_policy(ctx, self.body)
+
+    async def prepare(self, ctx: ServerContext) -> ServeSpec:
+        store, sid, body = self.store, self.sid, self.body
+        assert store is not None
         with store_errors():
+            if await store.get(sid) is None:
+                raise SessionNotFound(sid)
+            self.token = await store.acquire_turn_lock(sid, ctx.settings.session_turn_lock_ttl_s)
             found = await store.get_with_messages(sid)  # re-read under the lock
             if found is None:
                 raise SessionNotFound(sid)
             session, messages = found
             history = await store.get_history_tokens(sid)
-        engine = ctx.engine
-        planned = plan(session, messages, history)
-        prompt = engine.input_processor.process({"prompt_token_ids": planned.prompt_ids}, max_tokens=body.max_tokens,
-                                                param=param)
-        params = build_sampling_params(body, body.max_tokens, 0 if body.logprobs else None, session.defaults)
-        cap_max_tokens(params, ctx.max_model_len, prompt.num_tokens)
+        planned = self.plan(session, messages, history)
         tool_plan = session_tool_plan(ctx, body) if isinstance(body, SessionMessageRequest) else None
-        constraint = request_constraint(body, tool_plan)
-        if constraint is not None:
-            params.structured_outputs = constraint.params
-            await check_constraint(ctx.engine, constraint, params)
-        turn = SessionTurn(store, sid, token, session.num_turns, planned.user_text, planned.prompt_ids,
-                           replace_last_turn=planned.replace_last_turn, user_created_at=planned.user_created_at,
-                           lock_ttl_s=ctx.settings.session_turn_lock_ttl_s)
-        gen = Generation(ctx, request_id, [prompt], params,
-                         session=turn_kv(ctx.settings, session, planned.prompt_ids, history))
-    except BaseException:
-        if turn is None:
+        self.turn = SessionTurn(store, sid, self.token, session.num_turns, planned.user_text, planned.prompt_ids,
+                                replace_last_turn=planned.replace_last_turn, user_created_at=planned.user_created_at,
+                                lock_ttl_s=ctx.settings.session_turn_lock_ttl_s)
+        return ServeSpec([planned.prompt_ids], body, body.max_tokens, 0 if body.logprobs else None, tools=tool_plan,
+                         defaults=session.defaults, session=turn_kv(ctx.settings, session, planned.prompt_ids, history))
+
+    async def abandon(self) -> None:
+        if self.turn is not None:
+            await self.turn.abandon()
+        elif self.token is not None and self.store is not None:
             with contextlib.suppress(Exception):
-                await store.release_turn_lock(sid, token)
-        else:
-            await turn.abandon()
-        raise
-    turn.start_refreshing()
-    acc = Accumulator(1)
-    cid, created = f"chatcmpl-{request_id}", int(time.time())
-    fmt = ToolChatFormat(cid, created, ctx.model_name, 0, tool_plan) if tool_plan is not None and tool_plan.parses_calls \
-        else ChatFormat(cid, created, ctx.model_name, 0)
-    headers = {"X-Request-Id": request_id, "X-Session-Id": sid}
-    if body.stream:
-        include_usage = body.stream_options.include_usage if body.stream_options else True
+                await self.store.release_turn_lock(self.sid, self.token)
 
-        async def on_end(completed: bool) -> None:
-            # A turn that cannot be stored at the end of a full reply is the stream's last event.
-            try:
-                await turn.finish(acc, gen.usage, reply_stats(gen))
-            except APIError as exc:
-                logger.warning("session %s: the turn could not be stored: %s", sid, exc.message)
-                if completed:
+    async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
+        turn, sid, body, tool_plan = self.turn, self.sid, self.body, spec.tools
+        assert turn is not None
+        turn.start_refreshing()
+        acc = Accumulator(1)
+        cid, created = f"chatcmpl-{self.request_id}", int(time.time())
+        fmt = ToolChatFormat(cid, created, ctx.model_name, 0, tool_plan) if tool_plan is not None and tool_plan.parses_calls \
+            else ChatFormat(cid, created, ctx.model_name, 0)
+        headers = {"X-Request-Id": self.request_id, "X-Session-Id": sid}
+        if body.stream:
+            include_usage = body.stream_options.include_usage if body.stream_options else True
+
+            async def on_end(completed: bool) -> None:
+                # A turn that cannot be stored at the end of a full reply is the stream's last event.
+                try:
+                    await turn.finish(acc, gen.usage, reply_stats(gen))
+                except APIError as exc:
+                    logger.warning("session %s: the turn could not be stored: %s", sid, exc.message)
+                    if completed:
+                        raise
+
+            events = stream_events(gen, acc, fmt, include_usage=include_usage, on_end=on_end)
+            if self.policy is not None:  # resumable: the turn is stored when the run ends, whoever reads it
+                try:
+                    return logged_stream(ctx, cid, events, policy=self.policy, gen=gen, headers=headers)
+                except APIError:  # refused (a run of that id is live): nothing ran, so the lock and its refresher go
+                    await turn.abandon()
                     raise
-
-        events = stream_events(gen, acc, fmt, include_usage=include_usage, on_end=on_end)
-        if policy is not None:  # resumable: the turn is stored when the run ends, whoever reads it
-            return logged_stream(ctx, cid, events, policy=policy, gen=gen, headers=headers)
-        return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers, numbered=False)
-    try:
-        await collect_reply(request, gen, acc)
-    except BaseException:
-        # The client left (or the engine died): keep what was produced as an aborted turn.
-        ctx.spawn(turn.finish(acc, gen.usage, reply_stats(gen)))
-        raise
-    stats = reply_stats(gen)
-    await turn.finish(acc, gen.usage, stats)  # a store failure here is the client's 503
-    obj = fmt.reply(acc, gen.usage)
-    obj["session_id"] = sid
-    obj["stats"] = stats
-    return JSONResponse(obj, headers=headers)
+            return sse_response(events, keepalive_s=ctx.settings.sse_keepalive_s, headers=headers, numbered=False)
+        try:
+            await collect_reply(request, gen, acc)
+        except BaseException:
+            # The client left (or the engine died): keep what was produced as an aborted turn.
+            ctx.spawn(turn.finish(acc, gen.usage, reply_stats(gen)))
+            raise
+        stats = reply_stats(gen)
+        await turn.finish(acc, gen.usage, stats)  # a store failure here is the client's 503
+        obj = fmt.reply(acc, gen.usage)
+        obj["session_id"] = sid
+        obj["stats"] = stats
+        return JSONResponse(obj, headers=headers)
 
 
 def _title_and_metadata(body: UpdateSessionRequest | ForkSessionRequest) -> dict[str, Any]:

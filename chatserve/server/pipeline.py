@@ -1,0 +1,154 @@
+"""The one serving pipeline under every API that generates: admission to response, once.
+
+Chat and text completions, a session turn, a Responses call and an Anthropic Messages call all
+walk the same sequence, and it lives here only:
+
+    check the model  ->  the API's own limits and stream policy (`admit`)  ->  capacity
+    ->  the API's prompt builder (`prepare`: render, tokenize, tools, session lock, ...)
+    ->  the prompt checks and the reply's budget  ->  sampling parameters  ->  fit max_tokens
+    ->  the output constraint (compiled before anything is queued)  ->  `Generation`
+    ->  the API's output format (`respond`: SSE events or one body)
+
+An API is a `ServingAdapter`: it parses its body, supplies the prompt builder, says how its
+fields are named (`FieldNames`, so an error about `max_tokens` says `max_output_tokens` on the
+Responses API), and formats the output. Nothing else of the sequence is an adapter's to repeat.
+Each route is then parse-then-`serve` (as SGLang's `serving_base.py` and vLLM's
+`entrypoints/openai/engine/serving.py` are).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from chatserve.core.session_kv import SessionKV
+from chatserve.engine.input_processor import ProcessedPrompt, PromptError
+from chatserve.server.chat.generation import Generation
+from chatserve.server.chat.params import build_sampling_params, cap_max_tokens
+from chatserve.server.chat.protocol import SamplingFields
+from chatserve.server.chat.structured import check_constraint, request_constraint
+from chatserve.server.chat.tool_request import ToolPlan
+from chatserve.server.context import ServerContext, get_context
+from chatserve.server.errors import APIError
+
+Prompt = str | list[int]
+"""One prompt as an API hands it over: text to tokenize, or exact token ids (a rendered chat)."""
+
+
+def _same(param: str) -> str:
+    return param
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How one API names the request fields that the shared steps' errors point at."""
+
+    prompt: str = "messages"
+    """The field a prompt error names (`messages`, `prompt`, `input`, `content`, ...)."""
+    max_tokens: str = "max_tokens"
+    """The reply's budget (`max_output_tokens` on the Responses API)."""
+    rename: Callable[[str], str] = _same
+    """Any other field the shared steps name (a constraint's `tools.0.function.parameters`, ...) in this API's words."""
+
+    def apply(self, exc: APIError) -> APIError:
+        """`exc` (raised by a shared step in chat's vocabulary) in this API's words."""
+        if exc.param is None:
+            return exc
+        ours = self.max_tokens if exc.param == "max_tokens" else self.rename(exc.param)
+        if ours != exc.param:
+            exc.message = re.sub(rf"\b{re.escape(exc.param)}\b", ours, exc.message)
+            exc.param = ours
+        return exc
+
+
+@dataclass
+class ServeSpec:
+    """What one request asks the engine for, whichever API it came through: the pipeline's one request form."""
+
+    prompts: list[Prompt]
+    fields: SamplingFields
+    """The sampling fields (temperature, stop, response_format, ...), in the shared vocabulary."""
+    max_tokens: int | None
+    """The reply's budget; None fills the room the prompt leaves."""
+    logprobs: int | None = None
+    tools: ToolPlan | None = None
+    defaults: dict[str, Any] | None = None
+    """Sampling defaults under the request's own fields (a session's)."""
+    refuse_overflow: bool = True
+    """An explicit `max_tokens` that does not fit beside the prompt is a 400 (OpenAI's rule); False
+    clamps it to the room left instead (Anthropic's clients ask for far more than any window)."""
+    session: SessionKV | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What the adapter's `respond` needs from `prepare` (its own values; the pipeline never reads them)."""
+
+
+async def start_generation(ctx: ServerContext, request_id: str, spec: ServeSpec, names: FieldNames) -> Generation:
+    """The shared middle of every request: prompt checks, parameters, budget, constraint, then the engine."""
+    try:
+        budget = spec.max_tokens if spec.refuse_overflow else None
+        prompts = [_process(ctx, p, budget, names.prompt) for p in spec.prompts]
+        params = build_sampling_params(spec.fields, spec.max_tokens, spec.logprobs, spec.defaults)
+        # One max_tokens for all prompts: the room the longest leaves (only lowers one that may be lowered).
+        cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
+        constraint = request_constraint(spec.fields, spec.tools)
+        if constraint is not None:
+            params.structured_outputs = constraint.params
+            await check_constraint(ctx.engine, constraint, params)  # a grammar that cannot compile: 400, nothing queued
+    except PromptError as exc:
+        raise names.apply(APIError(400, str(exc), param=exc.param, code=exc.code)) from None
+    except APIError as exc:
+        raise names.apply(exc) from None
+    return Generation(ctx, request_id, prompts, params, session=spec.session)
+
+
+def _process(ctx: ServerContext, prompt: Prompt, max_tokens: int | None, param: str) -> ProcessedPrompt:
+    raw = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    return ctx.engine.input_processor.process(raw, max_tokens=max_tokens, param=param)
+
+
+class ServingAdapter(ABC):
+    """One API over the pipeline: its body (already parsed), its prompt builder, its names, its output."""
+
+    names: FieldNames = FieldNames()
+
+    def __init__(self, request_id: str, model: str | None) -> None:
+        self.request_id = request_id
+        self.model = model
+
+    def admit(self, ctx: ServerContext) -> None:  # noqa: B027 - an optional step
+        """The API's own refusals before any work (its limits, its stream policy); capacity comes next."""
+
+    @abstractmethod
+    async def prepare(self, ctx: ServerContext) -> ServeSpec:
+        """The prompt builder: the request in the pipeline's form (render and tokenize, plan tools, ...)."""
+
+    async def abandon(self) -> None:  # noqa: B027 - an optional step
+        """Undo what `prepare` took (a session's turn lock) when the request fails before it starts."""
+
+    @abstractmethod
+    async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
+        """The output format: stream `gen` as this API's events, or collect it into this API's body."""
+
+
+async def serve(request: Request, adapter: ServingAdapter) -> Response:
+    """Run one request through the pipeline (see the module docstring for the sequence)."""
+    ctx = get_context(request)
+    ctx.check_model(adapter.model)
+    adapter.admit(ctx)
+    ctx.check_capacity()
+    try:
+        spec = await adapter.prepare(ctx)
+        gen = await start_generation(ctx, adapter.request_id, spec, adapter.names)
+    except BaseException:
+        await adapter.abandon()
+        raise
+    return await adapter.respond(request, ctx, gen, spec)
+
+
+__all__ = ["FieldNames", "Prompt", "ServeSpec", "ServingAdapter", "serve", "start_generation"]

@@ -7,6 +7,9 @@ default, its type and its help text live in one place and a new field gets its f
 - `--field-name` spelled with dashes; `metadata["aliases"]` adds other spellings (vLLM's);
 - the type comes from the annotation: int, float, str; bool is `--x/--no-x`; a `Literal` gives the
   choices; `X | None` is optional (the value `none`, or an empty one, sets None);
+- `tuple[str, ...]`, or `metadata["nargs"] = "+"` on a str field, takes one value or several,
+  space-separated (vLLM's `--served-model-name A B`): the field gets the list (its environment
+  variable: the values split at whitespace);
 - the default is `$CHATSERVE_<FIELD>` when set (parsed like the flag; a bad value is an error naming
   the variable), else the field's default; a flag on the command line wins over both.
 """
@@ -77,6 +80,7 @@ class FlagSpec(NamedTuple):
     help: str
     aliases: tuple[str, ...]
     secret: bool  # never echo its value (from the environment) in --help
+    nargs: str | None = None  # "+": one value or several (a list)
 
     @property
     def flag(self) -> str:
@@ -102,6 +106,9 @@ def flag_specs(cls: type) -> list[FlagSpec]:
             if len(args) != 1:
                 raise TypeError(f"{cls.__name__}.{f.name}: {tp} is not a flag type (one type, optionally | None)")
             tp = args[0]
+        nargs = f.metadata.get("nargs")
+        if typing.get_origin(tp) is tuple and typing.get_args(tp) == (str, ...):
+            tp, nargs = str, "+"
         choices = None
         if typing.get_origin(tp) is Literal:
             choices = typing.get_args(tp)
@@ -110,8 +117,10 @@ def flag_specs(cls: type) -> list[FlagSpec]:
             raise TypeError(f"{cls.__name__}.{f.name}: {tp} is not a flag type (int, float, str, bool, Literal)")
         if "help" not in f.metadata:
             raise TypeError(f'{cls.__name__}.{f.name} has no metadata={{"help": ...}}; every flag needs a help text')
+        if nargs not in (None, "+") or (nargs and tp is not str):
+            raise TypeError(f'{cls.__name__}.{f.name}: nargs {nargs!r} (supported: "+", on a str field)')
         specs.append(FlagSpec(f.name, tp, optional, choices, f.default, f.metadata["help"],
-                              tuple(f.metadata.get("aliases", ())), bool(f.metadata.get("secret", False))))
+                              tuple(f.metadata.get("aliases", ())), bool(f.metadata.get("secret", False)), nargs))
     return specs
 
 
@@ -152,6 +161,8 @@ def _default(spec: FlagSpec, environ: Mapping[str, str]) -> tuple[Any, bool]:
     if text is None:
         return spec.default, False
     try:
+        if spec.nargs and text.strip() and text.strip().lower() != "none":
+            return [parse_value(spec, word) for word in text.split()], True
         return parse_value(spec, text), True
     except ValueError as exc:
         raise ValueError(f"${spec.env_var}: {exc} (it sets the default of {spec.flag}; fix or unset it)") from None
@@ -162,7 +173,7 @@ def _help(spec: FlagSpec, default: Any, from_env: bool) -> str:
     if spec.kind is bool:
         shown = "on" if default else "off"
     else:
-        shown = None if default is None else str(default)
+        shown = None if default is None else " ".join(default) if isinstance(default, list) else str(default)
     if from_env:
         tail = f"default: from ${spec.env_var}" if spec.secret or shown is None else f"default: {shown} from ${spec.env_var}"
     else:
@@ -180,7 +191,7 @@ def _add_flag(group: argparse._ArgumentGroup, spec: FlagSpec, environ: Mapping[s
         # str: the field name's last word (--served-model-name NAME, --redis-url URL); numbers: N or X
         metavar = None if spec.choices else {int: "N", float: "X", str: spec.name.rsplit("_", 1)[-1].upper()}[spec.kind]
         action = group.add_argument(*names, dest=spec.name, type=_argparse_type(spec), default=default,
-                                    choices=spec.choices, metavar=metavar)
+                                    choices=spec.choices, metavar=metavar, nargs=spec.nargs)
     action.help = _help(spec, default, from_env)  # set after: BooleanOptionalAction edits the help it is given
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from chatserve.kernels.tiers import TIER_CHOICES, max_tier
+from chatserve.models.hf_overrides import parse_hf_overrides
 from chatserve.spec_decode.config import parse_speculative_config
 from chatserve.structured.config import DEFAULT_MAX_WHITESPACE, parse_structured_outputs_config
 
@@ -72,12 +74,20 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+# With max_model_len set and no explicit KV pool size or budget, the default pool holds at least one
+# full-length request plus this share of it again (other requests, the cached prefixes they share).
+KV_POOL_HEADROOM = 0.25
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size wins over the memory budget
     kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
+    # Without num_kv_blocks and kv_cache_memory_gb, the default budget's pool grows to hold at least
+    # this many tokens (EngineArgs.cache_config: a full-length request plus headroom); 0: the budget alone.
+    min_pool_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,28 @@ def _check_weight_cache_dir(enabled: bool, value: str | None) -> None:
             if not parent.is_dir():
                 raise ValueError(f"weight_cache_dir={value!r}: {parent} is a file, so the folder cannot be created")
             break
+
+
+def first_served_name(value: str | Sequence[str] | None) -> str | None:
+    """`--served-model-name`'s value as the one name the engine reports: the first of several
+    (the server accepts every one of them: ServerSettings.served_model_aliases)."""
+    names = served_names(value)
+    return names[0] if names else None
+
+
+def served_names(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """One name or several (`--served-model-name A B`), checked: each a non-empty string, no repeats."""
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not names:
+        raise ValueError("served_model_name needs at least one name (or none at all, for the model's own)")
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"served_model_name: each name must be a non-empty string; got {name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"served_model_name lists a name twice: {list(names)}")
+    return names
 
 
 @dataclass(frozen=True)
@@ -173,7 +205,15 @@ class EngineArgs:
         "help": "most GiB the repacked-weight cache folder holds; after a write the least recently used entries "
                 "are removed until it fits (an entry larger than this is not written)"})
     served_model_name: str | None = field(default=None, metadata={
-        "help": "model name clients send and see (default: from the model)"})
+        "help": "model names clients send and see, space-separated: the first is the one replies report, "
+                "a request may name any of them, /v1/models lists each (default: from the model)",
+        "nargs": "+"})
+    hf_overrides: str | None = field(default=None, metadata={
+        "help": "a JSON object applied to the model's Hugging Face config before it is built, as vLLM's, e.g. "
+                '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8192}}\' '
+                "to serve 4x the trained context (with --max-model-len); rope_scaling and rope_parameters both "
+                "work, and keep the model's rope_theta; keys that change tensor shapes (hidden_size, "
+                "num_attention_heads, vocab_size, ...) are an error (default: none)"})
     kv_events_endpoint: str | None = field(default=None, metadata={
         "help": "publish KV cache events (blocks stored/removed, vLLM's format) on a ZMQ PUB socket bound here, "
                 "e.g. tcp://*:5557, for vllm-router's kv_aware policy (default: off; needs pyzmq and msgpack)"})
@@ -213,6 +253,10 @@ class EngineArgs:
     kv_offload_queue_mb: float = field(default=256.0, metadata={
         "help": "bound of the tiers' write queue in MiB: past it, writes are dropped and counted, so a slow disk "
                 "or Redis never stalls a step"})
+    max_prefix_leased_blocks: int | None = field(default=None, metadata={
+        "help": "most KV blocks that prompt-prefix leases (Anthropic cache_control breakpoints, OpenAI "
+                "prompt_cache_key) protect at once; past it the least recently renewed lease is dropped and counted. "
+                "Session leases do not count. Default: half the KV pool; 0 turns prefix leases off"})
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -242,7 +286,11 @@ class EngineArgs:
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         self._check_kv_offload()
+        if self.max_prefix_leased_blocks is not None and self.max_prefix_leased_blocks < 0:
+            raise ValueError(f"max_prefix_leased_blocks must be >= 0, got {self.max_prefix_leased_blocks}")
         parse_speculative_config(self.speculative_config)  # LLM(speculative_config={...}) passes a dict
+        parse_hf_overrides(self.hf_overrides)  # (and hf_overrides={...}): refused here, before any load
+        object.__setattr__(self, "served_model_name", first_served_name(self.served_model_name))
         parse_structured_outputs_config(self.structured_outputs_config)  # (and structured_outputs_config={...})
 
     def _check_kv_offload(self) -> None:
@@ -261,6 +309,21 @@ class EngineArgs:
     @property
     def kv_offload_enabled(self) -> bool:
         return bool(self.kv_offload_dir or self.kv_offload_redis_url)
+
+    @property
+    def hf_overrides_dict(self) -> dict[str, Any] | None:
+        """`hf_overrides` as the dict the loader applies (None: none)."""
+        return parse_hf_overrides(self.hf_overrides)
+
+    def cache_config(self) -> CacheConfig:
+        """The KV cache's settings. With max_model_len set and no KV pool size or budget, the default
+        pool grows to hold a full-length request plus KV_POOL_HEADROOM of it, so `--max-model-len
+        32768` alone serves 32768-token requests (without max_model_len, the pool caps the default one)."""
+        explicit_pool = self.num_kv_blocks is not None or self.kv_cache_memory_gb is not None
+        max_len = self.max_model_len
+        min_tokens = 0 if explicit_pool or max_len is None else math.ceil(max_len * (1 + KV_POOL_HEADROOM))
+        return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb, self.enable_prefix_caching,
+                           min_pool_tokens=min_tokens)
 
     @classmethod
     def field_names(cls) -> set[str]:

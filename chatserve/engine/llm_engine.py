@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,19 +21,20 @@ from typing import Any
 import torch
 
 from chatserve.cache import KVEventLog
-from chatserve.config import CacheConfig, EngineArgs, SchedulerConfig, resolve_dtype
+from chatserve.config import EngineArgs, SchedulerConfig, resolve_dtype
 from chatserve.core.block_manager import BlockManager
+from chatserve.core.cache_lease import CacheLease, check_cache_leases, check_cache_salt
 from chatserve.core.scheduler import ScheduledSeq, Scheduler
 from chatserve.core.sequence import Sequence, SequenceStatus
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.detokenizer import IncrementalDetokenizer
-from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
+from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptError
 from chatserve.engine.kv_event_publisher import KVEventPublisher, KVEventsConfig
 from chatserve.engine.kv_tiering import KVLookup, KVTiering
 from chatserve.kernels.cpu import load_cpu_kernels
 from chatserve.kv_offload import KVFingerprint, hash_model_files
 from chatserve.layers.ops import select_layer_ops
-from chatserve.models.config import ModelConfig
+from chatserve.models.config import ModelConfig, warn_past_context
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from chatserve.models.weight_cache import WeightCacheConfig
 from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
@@ -57,6 +58,7 @@ class Request:
     params: SamplingParams
     stats: RequestStats
     seqs: list[Sequence] = field(default_factory=list)
+    cache_salt: str | None = None  # it shares KV blocks only with requests of the same salt
     # Set while the request waits for its grammar (structured outputs); its sequences join the
     # scheduler when it is done. Callers may add_done_callback to learn when to step again.
     grammar_future: concurrent.futures.Future | None = None
@@ -87,8 +89,10 @@ def _cpu_kernels_load(args: EngineArgs, device: torch.device) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the seconds KV leases expire on (sessions' and prompt prefixes'); tests pass a fake one."""
         self.args = args
+        self.clock = clock
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.device = _resolve_device(args.device)
@@ -98,14 +102,15 @@ class LLMEngine:
                              f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; use dtype auto or bfloat16 on the CPU")
         t0 = time.perf_counter()
         self.source = resolve_model(args.model)
-        self.hf_config = load_hf_config(self.source)
+        self.hf_config = load_hf_config(self.source, args.hf_overrides_dict)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = frozenset(eos_token_ids(self.source, self.model_config, self.tokenizer))
         self.served_model_name = args.served_model_name or self.source.name
 
-        cache_cfg = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb, args.enable_prefix_caching)
-        max_len = args.max_model_len or self.model_config.max_position_embeddings
+        cache_cfg = args.cache_config()  # (with max_model_len set and no KV budget, a pool that holds it)
+        max_len = args.max_model_len or self.model_config.context_len
+        warn_past_context(self.model_config, max_len)
         cfg = self.model_config
         # auto: Triton on CUDA, the torch path (with the C++ kernels where they apply) on the CPU
         ops = select_layer_ops(
@@ -153,8 +158,12 @@ class LLMEngine:
         self.kv_lookup_started: Callable[[concurrent.futures.Future], None] | None = None  # the async engine's wake-up
         if args.kv_offload_enabled:
             self.kv_tiering = KVTiering(args, self._kv_fingerprint(ops), pool.bytes_per_block, self.runner)
-        self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching,
-                                          kv_events=self.kv_event_log, tier_observer=self.kv_tiering)
+        # prompt-prefix leases (cache_control, prompt_cache_key) protect at most this many blocks together
+        self.max_prefix_leased_blocks = (args.max_prefix_leased_blocks if args.max_prefix_leased_blocks is not None
+                                         else pool.num_blocks // 2)
+        self.block_manager = BlockManager(pool.num_blocks, args.block_size, args.enable_prefix_caching, clock=clock,
+                                          kv_events=self.kv_event_log, tier_observer=self.kv_tiering,
+                                          max_prefix_leased_blocks=self.max_prefix_leased_blocks)
         if self.kv_tiering is not None:
             self.kv_tiering.block_manager = self.block_manager
             self.kv_tiering.record_events = self.kv_event_log is not None  # (BlockStored with medium DISK / REDIS)
@@ -247,23 +256,31 @@ class LLMEngine:
         *,
         stats: RequestStats | None = None,
         session: SessionKV | None = None,
+        cache_salt: str | None = None,
+        cache_leases: Iterable[CacheLease | tuple[int, float]] | None = None,
     ) -> Request:
         """Queue a request. A ProcessedPrompt is taken as checked; a str or dict is processed first.
 
         stats: the request's record when the caller started it earlier (the async engine does, at
         arrival); the engine fills it in place. session: the request is a session turn (its cache
-        branch is leased when it ends). Raises ValueError (PromptError for the prompt).
+        branch is leased when it ends). cache_salt: a non-empty string; the request shares KV blocks
+        (tree, disk and Redis tiers, KV events) only with requests of the same salt (None: with every
+        unsalted one). cache_leases: up to 4 ``CacheLease(position, ttl_s)`` (or ``(position, ttl_s)``
+        pairs): when the request ends, its prompt's first ``position`` tokens (whole blocks) stay
+        leased for ``ttl_s`` seconds, renewed by each later hit (see ``check_cache_options``).
+        Raises ValueError (PromptError for the prompt, the salt or the leases).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params or SamplingParams()
+        cache_salt, leases = self.check_cache_options(cache_salt, cache_leases)
         processed = self.input_processor.process(prompt)
         ids = processed.prompt_token_ids
         stats = stats if stats is not None else RequestStats()
         if session is not None:
             stats.session_history_tokens = session.history_tokens
         stats.num_prompt_tokens = len(ids)
-        req = Request(request_id, processed.prompt, ids, params, stats)
+        req = Request(request_id, processed.prompt, ids, params, stats, cache_salt=cache_salt)
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids),
@@ -283,6 +300,8 @@ class LLMEngine:
                 logprobs=[] if params.logprobs is not None else None,
                 stats=stats,
                 session=session,
+                cache_salt=cache_salt,
+                cache_leases=leases,
             )
             req.seqs.append(seq)
         spec = params.structured_outputs
@@ -295,6 +314,24 @@ class LLMEngine:
             self.waiting_for_grammar[request_id] = req
         self.requests[request_id] = req
         return req
+
+    @staticmethod
+    def check_cache_options(
+        cache_salt: object = None, cache_leases: Iterable[CacheLease | tuple[int, float]] | None = None
+    ) -> tuple[str | None, tuple[CacheLease, ...]]:
+        """The request's prefix-cache options, checked: ``cache_salt`` None or a non-empty str;
+        ``cache_leases`` at most ``MAX_CACHE_LEASES`` (4) ``CacheLease``s or ``(position, ttl_s)`` pairs,
+        positions ints >= 0 (prompt tokens; past the prompt means all of it), TTLs > 0 seconds. Raises
+        PromptError with ``param`` "cache_salt" or "cache_leases"."""
+        try:
+            salt = check_cache_salt(cache_salt)
+        except ValueError as exc:
+            raise PromptError(str(exc), param="cache_salt") from None
+        try:
+            leases = check_cache_leases(cache_leases)
+        except (TypeError, ValueError) as exc:
+            raise PromptError(str(exc), param="cache_leases") from None
+        return salt, leases
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile (cached) the request's grammar now; raises StructuredOutputError, a ValueError whose
@@ -337,13 +374,13 @@ class LLMEngine:
         tiers = self.kv_tiering
         if tiers is not None:
             prompt = req.prompt_token_ids
-            held = self.block_manager.cache.peek_prefix(prompt[:-1])
+            held = self.block_manager.cache.peek_prefix(prompt[:-1], salt=req.cache_salt)
             if tiers.wants_lookup(prompt, held):
-                leader = self._kv_lookup_covering(prompt, held)
+                leader = self._kv_lookup_covering(prompt, held, req.cache_salt)
                 if leader is not None:
                     req.kv_load_future, req.kv_follows = leader.kv_load_future, leader.request_id
                 else:
-                    req.kv_load_future = tiers.submit_lookup(prompt, held)
+                    req.kv_load_future = tiers.submit_lookup(prompt, held, req.cache_salt)
                     if self.kv_lookup_started is not None:
                         self.kv_lookup_started(req.kv_load_future)
                 self.waiting_for_kv[req.request_id] = req
@@ -351,12 +388,14 @@ class LLMEngine:
         for seq in req.seqs:
             self.scheduler.add(seq)
 
-    def _kv_lookup_covering(self, prompt: list[int], held: int) -> Request | None:
-        """A request whose lookup in flight reads this prompt's first block past the tree (same tokens so far)."""
+    def _kv_lookup_covering(self, prompt: list[int], held: int, salt: str | None = None) -> Request | None:
+        """A request whose lookup in flight reads this prompt's first block past the tree (same salt, same
+        tokens so far)."""
         end = (held // self.block_manager.block_size + 1) * self.block_manager.block_size
         head = prompt[:end]
         for other in self.waiting_for_kv.values():
-            if other.kv_follows is None and len(other.prompt_token_ids) > end and other.prompt_token_ids[:end] == head:
+            if (other.kv_follows is None and other.cache_salt == salt and len(other.prompt_token_ids) > end
+                    and other.prompt_token_ids[:end] == head):
                 return other
         return None
 
@@ -692,14 +731,17 @@ class LLMEngine:
         """End a session's KV lease now (the session was deleted): its branch is plain LRU again."""
         return self.block_manager.cache.release_lease(session_id)
 
-    def session_cache_report(self, session_id: str, history_token_ids: list[int]) -> dict[str, Any]:
-        """What the cache holds of a session's stored history: tokens (whole blocks, not touching LRU
-        order) and its lease (``leased_until`` in unix seconds, None if none)."""
+    def session_cache_report(
+        self, session_id: str, history_token_ids: list[int], cache_salt: str | None = None
+    ) -> dict[str, Any]:
+        """What the cache holds of a session's stored history (under the session's ``cache_salt``):
+        tokens (whole blocks, not touching LRU order) and its lease (``leased_until`` in unix seconds,
+        None if none)."""
         cache = self.block_manager.cache
         info = cache.lease_info(session_id)
-        leased_until = None if info is None else time.time() + (info.expires_at - time.monotonic())
+        leased_until = None if info is None else time.time() + (info.expires_at - self.clock())
         report = {
-            "cached_tokens": cache.peek_prefix(history_token_ids),
+            "cached_tokens": cache.peek_prefix(history_token_ids, salt=cache_salt),
             "history_tokens": len(history_token_ids),
             "leased": info is not None,
             "leased_tokens": 0 if info is None else info.num_tokens,
@@ -707,7 +749,7 @@ class LLMEngine:
         }
         if self.kv_tiering is not None:
             # where the history is: leading tokens (whole blocks) held in memory (the tree) and each tier
-            report["tiers"] = {"memory": report["cached_tokens"], **self.kv_tiering.locate(history_token_ids)}
+            report["tiers"] = {"memory": report["cached_tokens"], **self.kv_tiering.locate(history_token_ids, cache_salt)}
         return report
 
     def stats(self) -> dict[str, Any]:
@@ -728,6 +770,13 @@ class LLMEngine:
             "prefix_cache_lease_hits": bm.lease_hits,
             "prefix_cache_lease_hit_tokens": bm.lease_hit_tokens,
             "prefix_cache_leased_evicted_blocks": bm.cache.num_leased_evicted_blocks,
+            "num_prefix_leased_blocks": cache.prefix_leased,
+            "num_prefix_leases": cache.prefix_leases,
+            "max_prefix_leased_blocks": self.max_prefix_leased_blocks,
+            "prefix_cache_prefix_leases_set": bm.num_prefix_leases_set,
+            "prefix_cache_prefix_lease_renewals": bm.cache.num_prefix_lease_renewals,
+            "prefix_cache_prefix_leases_dropped": bm.cache.num_prefix_leases_dropped,
+            "prefix_cache_prefix_leased_dropped_blocks": bm.cache.num_prefix_leased_dropped_blocks,
             "prefix_cache_miss_reasons": dict(bm.miss_reasons),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,

@@ -18,10 +18,13 @@ def rope_inv_freq(hf_config: Any, head_dim: int, *, layer_type: str | None = Non
     llama3, longrope) comes from transformers' ROPE_INIT_FUNCTIONS.
     layer_type: the per-layer-type settings of configs that have them (Gemma 3: "sliding_attention"
     layers rotate with rope_local_base_freq, "full_attention" ones with rope_theta and its scaling).
-    max_positions: for longrope (Phi-3), which factors the engine uses for every position: the long
-    ones where it serves contexts past original_max_position_embeddings, as llama.cpp decides from
-    its context size. (transformers switches per forward by the current length, which re-rotates
-    nothing already cached; one table for the engine's life keeps a token's keys one rotation.)
+    max_positions: the engine's context length, for the types that transformers recomputes per forward
+    from the current length: longrope (Phi-3) uses its long factors for every position where the
+    engine serves contexts past original_max_position_embeddings, as llama.cpp decides from its
+    context size; dynamic NTK scales its base once for max_positions (no scaling up to
+    max_position_embeddings). transformers switches per forward, which re-rotates nothing already
+    cached and would give one prefix other keys at another length; one table for the engine's life
+    keeps a token's keys one rotation, so the prefix cache stays right.
     """
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     if layer_type is not None and isinstance(params, dict) and isinstance(params.get(layer_type), dict):
@@ -41,8 +44,8 @@ def rope_inv_freq(hf_config: Any, head_dim: int, *, layer_type: str | None = Non
     kwargs: dict[str, Any] = {}
     if layer_type is not None:
         kwargs["layer_type"] = layer_type
-    if rope_type == "longrope" and max_positions is not None:
-        kwargs["seq_len"] = max_positions
+    if rope_type in ("longrope", "dynamic") and max_positions is not None:
+        kwargs["seq_len"] = max_positions  # (dynamic: transformers takes the larger of it and max_position_embeddings)
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 

@@ -6,10 +6,13 @@ model code and the loaders read it without importing the engine's configuration.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from chatserve.models.registry import MODEL_TYPES, check_architecture
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,11 +98,20 @@ class ModelConfig:
     attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5
     rotary_dim: int = 0  # rotated dims of each head (Phi-4-mini: partial_rotary_factor); 0: head_dim
     hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)
+    # the context the model's positions were trained (or rope-scaled) for; 0: max_position_embeddings
+    scaled_context_len: int = 0
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @property
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def context_len(self) -> int:
+        """The longest context the model is made for: max_position_embeddings, or where its rope is
+        scaled, what the scaling stretches it to (`trained_context_len`). The engine's default
+        max_model_len, and past it the engine warns."""
+        return self.scaled_context_len or self.max_position_embeddings
 
     def window_of(self, layer: int, max_positions: int) -> int:
         """Layer `layer`'s sliding window, 0 where it has none or where the window covers every
@@ -144,6 +156,7 @@ class ModelConfig:
             attn_scale=_query_scale(hf_config),
             rotary_dim=_rotary_dim(hf_config, head_dim),
             hidden_act=_hidden_act(hf_config),
+            scaled_context_len=trained_context_len(hf_config),
             hf_config=hf_config,
         )
 
@@ -176,6 +189,51 @@ def layer_windows(hf_config: Any) -> tuple[int, ...]:
     return windows if any(windows) else ()
 
 
+def warn_past_context(cfg: ModelConfig, max_model_len: int) -> bool:
+    """Log a warning where max_model_len runs past the positions the model is made for (its
+    context_len); True where it does. Served anyway: the user asked for it. A rope scaling given
+    with --hf-overrides (YaRN) moves context_len, so a scaled model within its reach is quiet."""
+    if max_model_len <= cfg.context_len:
+        return False
+    if cfg.context_len != cfg.max_position_embeddings:
+        how = "its rope scaling's reach"
+    else:
+        factor = 2
+        while cfg.context_len * factor < max_model_len:
+            factor *= 2
+        how = ("max_position_embeddings; to stretch it, scale the rope, e.g. --hf-overrides "
+               f'\'{{"rope_scaling": {{"rope_type": "yarn", "factor": {factor}, '
+               f'"original_max_position_embeddings": {cfg.max_position_embeddings}}}}}\'')
+    logger.warning("max_model_len=%d is past the %d positions %s was trained for (%s): output at positions "
+                   "beyond them may degrade", max_model_len, cfg.context_len, cfg.architecture, how)
+    return True
+
+
+# rope types whose factor is already counted in max_position_embeddings (as vLLM reads them)
+_FACTOR_IN_MAX_POSITIONS = frozenset({"default", "llama3", "longrope", "su"})
+
+
+def trained_context_len(hf_config: Any) -> int:
+    """The context a config's positions are made for, as vLLM derives it: max_position_embeddings,
+    times the rope scaling's factor for linear / dynamic / YaRN scaling (YaRN from its
+    original_max_position_embeddings), never less than max_position_embeddings. Llama 3 and long-rope
+    configs state the scaled length in max_position_embeddings already, and per-layer-type rope
+    (Gemma 3) is taken as stated there too."""
+    max_positions = int(getattr(hf_config, "max_position_embeddings", None) or 4096)
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        return max_positions
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("factor")
+    if rope_type in _FACTOR_IN_MAX_POSITIONS or not isinstance(factor, (int, float)) or factor <= 1:
+        return max_positions
+    base = max_positions
+    if rope_type == "yarn":
+        base = int(params.get("original_max_position_embeddings")
+                   or getattr(hf_config, "original_max_position_embeddings", None) or max_positions)
+    return max(max_positions, int(base * factor))
+
+
 def _query_scale(hf_config: Any) -> float | None:
     scalar = getattr(hf_config, "query_pre_attn_scalar", None)
     return None if scalar is None else float(scalar) ** -0.5
@@ -200,4 +258,4 @@ def _hidden_act(hf_config: Any) -> str:
     return act
 
 
-__all__ = ["MOE_ARCHITECTURES", "ModelConfig", "MoEConfig"]
+__all__ = ["MOE_ARCHITECTURES", "ModelConfig", "MoEConfig", "trained_context_len", "warn_past_context"]

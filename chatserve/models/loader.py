@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 
 from chatserve.models.config import ModelConfig
 from chatserve.models.gguf_moe import gguf_moe_metadata
+from chatserve.models.hf_overrides import apply_hf_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -90,21 +91,42 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     )
 
 
-def load_hf_config(source: ModelSource) -> Any:
+def load_hf_config(source: ModelSource, hf_overrides: Mapping[str, Any] | None = None) -> Any:
+    """The model's transformers config; `hf_overrides` (`--hf-overrides`, checked by
+    models/hf_overrides.py) are applied to its dict before the config class is built from it."""
     from transformers import AutoConfig
 
     folder = gguf_metadata_folder(source) if source.is_gguf else None
     if folder is not None:
-        return saved_metadata_config(folder)
+        return saved_metadata_config(folder, hf_overrides)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         from chatserve.models.gguf_families import complete_gguf_config
 
         kwargs["gguf_file"] = source.gguf_file
+    elif hf_overrides:
+        return _overridden_folder_config(source.folder, hf_overrides)
     with gguf_moe_metadata() if source.is_gguf else contextlib.nullcontext():
         config = AutoConfig.from_pretrained(source.folder, **kwargs)
     if source.is_gguf:
         config = complete_gguf_config(config, os.path.join(source.folder, source.gguf_file))
+        if hf_overrides:  # (no metadata folder could be written: the dict of the config just built)
+            config = type(config).from_dict(apply_hf_overrides(config.to_dict(), hf_overrides))
+    return config
+
+
+def _overridden_folder_config(folder: str, hf_overrides: Mapping[str, Any]) -> Any:
+    """A Hugging Face folder's config, built by its class from config.json's dict with the overrides
+    applied (AutoConfig's own choice of class, from the dict's model_type)."""
+    from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig
+
+    values, _ = PreTrainedConfig.get_config_dict(folder, local_files_only=True)
+    model_type = values.get("model_type")
+    if model_type not in CONFIG_MAPPING:  # no model_type to dispatch on: let AutoConfig find the class
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        return type(config).from_dict(apply_hf_overrides(config.to_dict(), hf_overrides))
+    config = CONFIG_MAPPING[model_type].from_dict(apply_hf_overrides(values, hf_overrides))
+    config._name_or_path = str(folder)
     return config
 
 
@@ -121,7 +143,7 @@ def load_tokenizer(source: ModelSource) -> Any:
         return AutoTokenizer.from_pretrained(source.folder, **kwargs)
 
 
-def saved_metadata_config(folder: str) -> Any:
+def saved_metadata_config(folder: str, hf_overrides: Mapping[str, Any] | None = None) -> Any:
     """The config.json of a GGUF metadata folder (`gguf_metadata_folder`), read without importing
     the model's own config class: a `PreTrainedConfig` subclass named by its model_type.
 
@@ -135,7 +157,7 @@ def saved_metadata_config(folder: str) -> Any:
     from transformers import PreTrainedConfig
 
     path = Path(folder, "config.json")
-    values = json.loads(path.read_text())
+    values = apply_hf_overrides(json.loads(path.read_text()), hf_overrides)
     model_type = values.get("model_type", "")
     cls: type[PreTrainedConfig] = type("SavedMetadataConfig", (PreTrainedConfig,), {"model_type": model_type})
     config = cls.from_dict(values)

@@ -52,6 +52,12 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name a request may give for the model (`--served-model-name A B C`), the one replies
+        report (model_name) first."""
+        return tuple(dict.fromkeys((self.model_name, *(self.settings.served_model_aliases or ()))))
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """A task that outlives the request that started it (e.g. settling after a disconnect)."""
         task = asyncio.get_running_loop().create_task(coro)
@@ -77,9 +83,12 @@ class ServerContext:
             await asyncio.sleep(0.05)
 
     def check_model(self, model: str | None) -> None:
-        """A request naming another model is OpenAI's 404, not silently served by this one."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+        """A request naming another model is OpenAI's 404, not silently served by this one; any of the
+        served names is this model."""
+        names = self.served_model_names
+        if model is not None and model not in names:
+            also = f" (also as {', '.join(f'`{n}`' for n in names[1:])})" if len(names) > 1 else ""
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`{also}.",
                            param="model", code="model_not_found")
 
     def check_capacity(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chatserve.config import served_names
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -17,7 +19,13 @@ class ServerSettings:
     api_key: str | None = field(default=None, metadata={
         "help": "require `Authorization: Bearer KEY` on /v1/* (default: none)", "secret": True})
     served_model_name: str | None = field(default=None, metadata={
-        "help": "model name clients send and see (default: the engine's model name)"})
+        "help": "model names clients send and see, space-separated: the first is the one replies report, "
+                "a request may name any of them, /v1/models lists each (default: the engine's model name)",
+        "nargs": "+"})
+    # NOTE: given several names, served_model_name keeps the first and the rest join these (__post_init__).
+    served_model_aliases: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "more names a request may give for the model, space-separated, also listed by /v1/models: "
+                "`--served-model-name A B C` is `--served-model-name A --served-model-aliases B C` (default: none)"})
     sse_keepalive_s: float = field(default=15.0, metadata={
         "help": "seconds between SSE keepalive comments on every stream (queued, prefilling or decoding)"})
     max_body_bytes: int = field(default=2 * 1024 * 1024, metadata={"help": "largest request body in bytes (413 beyond)"})
@@ -73,6 +81,14 @@ class ServerSettings:
             raise ValueError(f"chat_template: cannot read {self.chat_template!r}: {exc}") from None
 
     def __post_init__(self) -> None:
+        # NOTE: several names (the flag's list) become the first plus aliases, so served_model_name stays
+        # the one name replies report, and dataclasses.replace keeps both.
+        if self.served_model_aliases and self.served_model_name is None:
+            raise ValueError("served_model_aliases needs served_model_name (the name replies report)")
+        names = served_names(self.served_model_name) + served_names(self.served_model_aliases)
+        served_names(names or None)  # (none twice)
+        object.__setattr__(self, "served_model_name", names[0] if names else None)
+        object.__setattr__(self, "served_model_aliases", names[1:] or None)
         if self.sse_keepalive_s <= 0:
             raise ValueError(f"sse_keepalive_s must be > 0, got {self.sse_keepalive_s}")
         if not self.kv_lease_seconds >= 0:

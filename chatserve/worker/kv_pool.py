@@ -41,4 +41,6 @@ def plan_kv_pool(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> KV
         n = int(gb * (1 << 30)) // per_block
         if n < 1:
             raise ValueError(f"kv_cache_memory_gb={gb} is smaller than one KV block ({per_block} bytes)")
+        if cache.kv_cache_memory_gb is None:  # the default budget grows to what max_model_len needs
+            n = max(n, -(-cache.min_pool_tokens // cache.block_size))
     return KVPoolSpec(n, cache.block_size, per_block)

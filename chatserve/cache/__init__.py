@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .allocator import BlockAllocator, OutOfBlocksError, RefCountError
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventLog
-from .leases import LeaseInfo
+from .leases import LeaseInfo, LeaseKey, PrefixKey
 from .prefix_cache import (
     CacheStats,
     InsertResult,
@@ -35,6 +35,8 @@ __all__ = [
     "MissExplanation",
     "MissReason",
     "LeaseInfo",
+    "LeaseKey",
+    "PrefixKey",
     "KVEventLog",
     "KVCacheEvent",
     "BlockStored",
@@ -52,11 +54,14 @@ def make_prefix_cache(
     clock: Callable[[], float] = time.monotonic,
     kv_events: KVEventLog | None = None,
     tier_observer: TierObserver | None = None,
+    max_prefix_leased_blocks: int | None = None,
 ) -> PrefixCache:
     """The radix tree when prefix caching is on, else a cache that caches nothing
     behind the same interface (so the engine has one code path). ``clock``: lease expiry times.
     ``kv_events``: where the tree records blocks stored and removed (a cache that caches nothing
-    records nothing). ``tier_observer``: the disk / Redis tiers below the tree (none: the tree is the only tier)."""
+    records nothing). ``tier_observer``: the disk / Redis tiers below the tree (none: the tree is the only tier).
+    ``max_prefix_leased_blocks``: the most blocks prefix leases may protect together (None: no cap)."""
     if enable_prefix_caching:
-        return RadixPrefixCache(allocator, block_size, clock=clock, kv_events=kv_events, tier_observer=tier_observer)
+        return RadixPrefixCache(allocator, block_size, clock=clock, kv_events=kv_events, tier_observer=tier_observer,
+                                max_prefix_leased_blocks=max_prefix_leased_blocks)
     return NoPrefixCache(allocator, block_size)

@@ -18,6 +18,10 @@ blocks), so a block evicted and cached again gets the same hash, and a block's p
 hash of the block before it. They are folded to unsigned 64 bits, the one integer form the
 router's decoder takes. They are identifiers, not a format the router recomputes: it hashes the
 ``token_ids`` of each stored block itself to index them.
+
+A request's ``cache_salt`` is part of its first block's hash (``eviction_record.salt_seed``), so
+two salts never name a block alike: the stream shows them as unrelated blocks even where their
+tokens agree.
 """
 
 from __future__ import annotations
@@ -25,18 +29,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .eviction_record import chain_hashes
+from .eviction_record import chain_hashes, salt_seed
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVCacheEvent", "KVEventLog", "event_hashes"]
 
 _U64 = (1 << 64) - 1
 
 
-def event_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
-    """The event-stream names of blocks ``0 .. num_blocks-1`` of ``token_ids``: their prefix chain
-    hashes as unsigned 64-bit integers (deterministic across processes: ints and tuples of ints
-    hash without Python's per-process salt)."""
-    return [h & _U64 for h in chain_hashes(token_ids, block_size, num_blocks)]
+def event_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int, salt: str | None = None) -> list[int]:
+    """The event-stream names of blocks ``0 .. num_blocks-1`` of ``token_ids`` (under ``salt``): their
+    prefix chain hashes as unsigned 64-bit integers (deterministic across processes: ints and tuples
+    of ints hash without Python's per-process salt)."""
+    return [h & _U64 for h in chain_hashes(token_ids, block_size, num_blocks, start=salt_seed(salt))]
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,22 @@ class KVEventLog:
     # hash chains from its parent's, so storing costs the new blocks only, not the whole prefix.
     _hashes: dict[int, int] = field(default_factory=dict)
 
-    def stored(self, path_tokens: Sequence[int], first_new_block: int, block_ids: Sequence[int]) -> None:
-        """The tree took blocks ``first_new_block ..`` of the prefix ``path_tokens``; ``block_ids[i]``
-        is the tree's block holding tokens ``[i*bs, (i+1)*bs)`` (one id per full block of the path)."""
+    def stored(
+        self, path_tokens: Sequence[int], first_new_block: int, block_ids: Sequence[int], salt: str | None = None
+    ) -> None:
+        """The tree took blocks ``first_new_block ..`` of the prefix ``path_tokens`` (under ``salt``);
+        ``block_ids[i]`` is the tree's block holding tokens ``[i*bs, (i+1)*bs)`` (one id per full block
+        of the path)."""
         num_blocks = len(block_ids)
         if first_new_block >= num_blocks:
             return
         bs = self.block_size
-        start, parent = 0, None  # chain_hashes starts the root's chain at 0
+        seed = salt_seed(salt)
+        start, parent = seed, None  # the root's chain starts at the salt's seed (0 unsalted)
         if first_new_block > 0:
             known = self._hashes.get(block_ids[first_new_block - 1])
             # (unknown only if the log was attached to a tree that already held blocks)
-            start = known if known is not None else chain_hashes(path_tokens, bs, first_new_block)[-1]
+            start = known if known is not None else chain_hashes(path_tokens, bs, first_new_block, start=seed)[-1]
             parent = start & _U64
         tokens = list(path_tokens[first_new_block * bs : num_blocks * bs])
         signed = chain_hashes(tokens, bs, num_blocks - first_new_block, start=start)

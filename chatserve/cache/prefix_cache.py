@@ -19,6 +19,10 @@ engine uses it:
   ``cache.unlock(node)``, ``allocator.decref(table)``; the tree's own
   references keep cached blocks alive.
 
+Salts: every lookup and insertion takes the request's ``salt`` (its ``cache_salt``; None for
+none). The tree is partitioned by it: a request only ever matches blocks inserted under the same
+salt, so an unsalted request never matches a salted one and two salts never share a block.
+
 # NOTE: every tree block a running request holds must lie on the root->node
 # path of a node that request has locked. ``stats().evictable`` and the
 # integrity check rely on it; ``evict`` stays safe even if it is violated.
@@ -31,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 from .allocator import BlockAllocator
-from .leases import LeaseInfo
+from .leases import LeaseInfo, LeaseKey, PrefixKey
 
 __all__ = [
     "MatchResult", "PartialMatch", "InsertResult", "CacheStats", "MissExplanation", "MissReason", "PrefixCache",
@@ -84,13 +88,17 @@ class CacheStats(NamedTuple):
     ``evictable``: tree blocks not locked (held only by the tree when the
     engine follows the lock contract). Tree blocks = locked + evictable.
     ``leased``: tree blocks on a path a live lease protects (locked or not;
-    leased blocks are still evictable, last)."""
+    leased blocks are still evictable, last). ``prefix_leased``: of those, the
+    blocks a prefix lease protects (what ``max_prefix_leased_blocks`` caps);
+    ``prefix_leases``: live prefix leases."""
 
     total: int
     free: int
     evictable: int
     locked: int
     leased: int = 0
+    prefix_leased: int = 0
+    prefix_leases: int = 0
 
 
 class MissExplanation(NamedTuple):
@@ -113,12 +121,15 @@ class PrefixCache(ABC):
         self.block_size = block_size
         self.num_evicted_blocks = 0  # for metrics; stays 0 when nothing is cached
         self.num_leased_evicted_blocks = 0  # of those, taken from leased branches (nothing else was left)
+        self.num_prefix_lease_renewals = 0  # prefix leases a hit renewed
+        self.num_prefix_leases_dropped = 0  # prefix leases dropped because the cap was exceeded
+        self.num_prefix_leased_dropped_blocks = 0  # the blocks those dropped leases protected when dropped
 
     @abstractmethod
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached run of whole blocks that prefixes ``token_ids``.
-        Does not incref; only refreshes LRU timestamps (and may split a node,
-        which changes nothing observable)."""
+    def match_prefix(self, token_ids: Sequence[int], *, salt: str | None = None) -> MatchResult:
+        """Longest cached run of whole blocks that prefixes ``token_ids``, among the blocks inserted
+        under ``salt``. Does not incref; only refreshes LRU timestamps (and may split a node,
+        which changes nothing observable) and renews the prefix leases the match covers."""
 
     @abstractmethod
     def match_partial(self, token_ids: Sequence[int], match: MatchResult) -> PartialMatch | None:
@@ -131,8 +142,8 @@ class PrefixCache(ABC):
         otherwise evict it)."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
-        """Cache ``token_ids`` truncated to whole blocks; ``block_ids[i]`` holds
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], *, salt: str | None = None) -> InsertResult:
+        """Cache ``token_ids`` truncated to whole blocks, under ``salt``; ``block_ids[i]`` holds
         tokens ``[i*bs, (i+1)*bs)`` (extra trailing ids are ignored). The tree
         increfs the blocks it newly takes; it never takes the caller's
         duplicates of blocks it already has."""
@@ -157,14 +168,14 @@ class PrefixCache(ABC):
     # ---- why a request missed ------------------------------------------------------------------
 
     @abstractmethod
-    def explain_miss(self, token_ids: Sequence[int], num_matched: int) -> MissExplanation:
+    def explain_miss(self, token_ids: Sequence[int], num_matched: int, *, salt: str | None = None) -> MissExplanation:
         """Why ``token_ids[num_matched]`` is not cached, right after ``match_prefix`` (and
-        ``match_partial``) matched ``num_matched`` tokens of ``token_ids``. No side effect."""
+        ``match_partial``) matched ``num_matched`` tokens of ``token_ids`` under ``salt``. No side effect."""
 
     @abstractmethod
-    def peek_prefix(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens (whole blocks) of ``token_ids`` are cached, without touching
-        LRU order: for reports, not for admission."""
+    def peek_prefix(self, token_ids: Sequence[int], *, salt: str | None = None) -> int:
+        """How many leading tokens (whole blocks) of ``token_ids`` are cached under ``salt``, without
+        touching LRU order or leases: for reports, not for admission."""
 
     # ---- leases ---------------------------------------------------------------------------------
 
@@ -174,7 +185,17 @@ class PrefixCache(ABC):
         ``key``'s earlier lease. ``seconds <= 0`` only releases the earlier one."""
 
     @abstractmethod
-    def release_lease(self, key: str) -> bool:
+    def lease_prefix(self, token_ids: Sequence[int], seconds: float, *, salt: str | None = None) -> PrefixKey | None:
+        """Lease the whole blocks of ``token_ids`` the tree holds under ``salt`` (from the first
+        block on) for ``seconds``, keyed by the prefix (``PrefixKey``: salt and chain hash). The same
+        prefix leased again keeps the later end and the longer TTL; a later ``match_prefix`` that covers
+        it renews it to now + its TTL. Past ``max_prefix_leased_blocks`` the least recently renewed
+        prefix leases are dropped (counted in ``num_prefix_leases_dropped``), this one too if it alone
+        exceeds the cap. Returns the key, or None when nothing was leased (no whole block cached,
+        ``seconds <= 0``, or the lease was dropped at once)."""
+
+    @abstractmethod
+    def release_lease(self, key: LeaseKey) -> bool:
         """End ``key``'s lease now (its branch becomes plain LRU); False if it had none."""
 
     @abstractmethod
@@ -182,7 +203,7 @@ class PrefixCache(ABC):
         """End every lease due by ``now`` (default: the cache's clock); return how many ended."""
 
     @abstractmethod
-    def lease_info(self, key: str) -> LeaseInfo | None:
+    def lease_info(self, key: LeaseKey) -> LeaseInfo | None:
         """``key``'s live lease: tokens it protects and when it ends; None if none."""
 
     @abstractmethod
@@ -220,13 +241,13 @@ class NoPrefixCache(PrefixCache):
         super().__init__(allocator, block_size)
         self._root = _NoCacheRoot()
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], *, salt: str | None = None) -> MatchResult:
         return MatchResult([], 0, self._root)
 
     def match_partial(self, token_ids: Sequence[int], match: MatchResult) -> PartialMatch | None:
         return None
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], *, salt: str | None = None) -> InsertResult:
         n = len(token_ids) // self.block_size
         if len(block_ids) < n:
             raise ValueError(f"{n} full blocks of tokens but only {len(block_ids)} block ids")
@@ -247,22 +268,25 @@ class NoPrefixCache(PrefixCache):
         a = self.allocator
         return CacheStats(total=a.num_total, free=a.num_free, evictable=0, locked=0)
 
-    def explain_miss(self, token_ids: Sequence[int], num_matched: int) -> MissExplanation:
+    def explain_miss(self, token_ids: Sequence[int], num_matched: int, *, salt: str | None = None) -> MissExplanation:
         return MissExplanation("none" if num_matched >= len(token_ids) else "new", None, False)
 
-    def peek_prefix(self, token_ids: Sequence[int]) -> int:
+    def peek_prefix(self, token_ids: Sequence[int], *, salt: str | None = None) -> int:
         return 0
 
     def set_lease(self, key: str, node: object, seconds: float) -> None:
         pass  # nothing is cached, so nothing to protect
 
-    def release_lease(self, key: str) -> bool:
+    def lease_prefix(self, token_ids: Sequence[int], seconds: float, *, salt: str | None = None) -> PrefixKey | None:
+        return None
+
+    def release_lease(self, key: LeaseKey) -> bool:
         return False
 
     def expire_leases(self, now: float | None = None) -> int:
         return 0
 
-    def lease_info(self, key: str) -> LeaseInfo | None:
+    def lease_info(self, key: LeaseKey) -> LeaseInfo | None:
         return None
 
     def check_integrity(

@@ -16,6 +16,12 @@ on a leased path waits in a second index, ordered by lease renewal, that
 eviction reaches only once the plain LRU index is empty. Evicted blocks leave
 their prefix hash in a bounded ``EvictionRecord``, so ``explain_miss`` can tell
 "evicted" from "new".
+
+Salts (a request's ``cache_salt``): the tree is a forest with one root per salt
+(the unsalted root is ``root``; a salt's root exists while it holds a block).
+Every walk starts at the request's salt's root, so two salts never share a
+node, let alone a block, and every hash of a salted block (eviction record, KV
+events, the tiers' keys) starts its chain from the salt (``salt_seed``).
 """
 
 from __future__ import annotations
@@ -24,14 +30,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from .allocator import BlockAllocator, RefCountError
-from .eviction_record import EvictionRecord, chain_hashes
+from .eviction_record import EvictionRecord, chain_hashes, salt_seed
 from .kv_events import KVEventLog
-from .leases import Lease, LeaseBook, LeaseInfo
+from .leases import Lease, LeaseBook, LeaseInfo, LeaseKey, PrefixKey
 from .lru_index import LRUIndex
 from .prefix_cache import CacheStats, InsertResult, MatchResult, MissExplanation, PartialMatch, PrefixCache
 from .tier_observer import TierObserver
 
 __all__ = ["RadixNode", "RadixPrefixCache"]
+
+_U64 = (1 << 64) - 1
 
 
 class RadixNode:
@@ -46,10 +54,15 @@ class RadixNode:
 
     __slots__ = (
         "key", "block_ids", "children", "parent", "lock_ref", "num_own_locks", "last_access",
-        "lease_ref", "num_own_leases", "lease_stamp",
+        "lease_ref", "num_own_leases", "lease_stamp", "prefix_lease_ref", "salt", "is_root",
     )
 
-    def __init__(self, key: tuple[int, ...], block_ids: list[int], parent: RadixNode | None, last_access: int) -> None:
+    def __init__(
+        self, key: tuple[int, ...], block_ids: list[int], parent: RadixNode | None, last_access: int,
+        salt: str | None = None, *, is_root: bool = False,
+    ) -> None:
+        self.salt = salt  # the cache_salt of every request whose blocks are on this node's path (its root's)
+        self.is_root = is_root  # a salt's root (empty key, no blocks); never locked, leased or evicted
         self.key = key
         self.block_ids = block_ids
         # keyed by the child's first block of tokens (a tuple of block_size ints)
@@ -62,6 +75,8 @@ class RadixNode:
         self.lease_ref = 0
         self.num_own_leases = 0
         self.lease_stamp = 0  # newest renewal of a lease through this node: leased leaves go oldest first
+        # NOTE: prefix_lease_ref: of lease_ref, the prefix leases (their distinct blocks are what the cap counts).
+        self.prefix_lease_ref = 0
 
     def __repr__(self) -> str:
         return f"RadixNode(blocks={self.block_ids}, lock_ref={self.lock_ref}, last_access={self.last_access})"
@@ -79,15 +94,22 @@ class RadixPrefixCache(PrefixCache):
         eviction_memory_blocks: int | None = None,
         kv_events: KVEventLog | None = None,
         tier_observer: TierObserver | None = None,
+        max_prefix_leased_blocks: int | None = None,
     ) -> None:
         super().__init__(allocator, block_size)
+        if max_prefix_leased_blocks is not None and max_prefix_leased_blocks < 0:
+            raise ValueError(f"max_prefix_leased_blocks must be >= 0, got {max_prefix_leased_blocks}")
+        # NOTE: the most distinct blocks prefix leases protect together (None: no cap); sessions' leases do not count.
+        self.max_prefix_leased_blocks = max_prefix_leased_blocks
         # NOTE: when set, the tiers below the tree hear of blocks taken, about to be freed, and leased
         # (tier_observer.py); paused during reset(), which forgets rather than evicts.
         self.tier_observer = tier_observer
         self._observer_paused = False
         # NOTE: when set, every block the tree takes or frees is recorded there (kv_events.py).
         self.kv_events = kv_events
-        self._root = RadixNode((), [], None, 0)
+        self._root = RadixNode((), [], None, 0, is_root=True)
+        # NOTE: the root of each salt that holds a block (made on its first insert, dropped when its last leaf goes).
+        self._salt_roots: dict[str, RadixNode] = {}
         self._clock = 0
         # NOTE: exactly the non-root leaves with lock_ref == 0 and lease_ref == 0 (priority last_access) ...
         self._evictable: LRUIndex[RadixNode] = LRUIndex()
@@ -96,19 +118,36 @@ class RadixPrefixCache(PrefixCache):
         self._tree_blocks: set[int] = set()
         self._num_locked_blocks = 0
         self._num_leased_blocks = 0
+        self._num_prefix_leased_blocks = 0
         self.now = clock  # lease expiry times are on this clock (seconds)
         self._leases = LeaseBook()
         self._evicted = EvictionRecord(eviction_memory_blocks or max(256, 4 * allocator.num_total))
 
     @property
     def root(self) -> RadixNode:
+        """The unsalted requests' root."""
         return self._root
+
+    def root_for(self, salt: str | None) -> RadixNode:
+        """The root of ``salt``'s partition (a fresh, childless one if the salt holds nothing)."""
+        if salt is None:
+            return self._root
+        if not isinstance(salt, str):
+            raise TypeError(f"cache salt must be a str or None, got {type(salt).__name__}")
+        root = self._salt_roots.get(salt)
+        # NOTE: a childless root is not registered: it becomes the salt's root only when a block hangs from it
+        return root if root is not None else RadixNode((), [], None, 0, salt, is_root=True)
+
+    def _roots(self) -> list[RadixNode]:
+        return [self._root, *self._salt_roots.values()]
 
     # ---- lookup and insertion -------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], *, salt: str | None = None) -> MatchResult:
         n = len(token_ids) // self.block_size
-        node, block_ids = self._walk(tuple(token_ids[: n * self.block_size]))
+        node, block_ids = self._walk(tuple(token_ids[: n * self.block_size]), self.root_for(salt))
+        if self._leases.num_prefix and block_ids:
+            self._renew_prefix_leases(node)
         self._touch(node)
         return MatchResult(block_ids, len(block_ids) * self.block_size, node)
 
@@ -144,18 +183,19 @@ class RadixPrefixCache(PrefixCache):
         """Tokens from the root to the end of ``node``'s edge (None if detached)."""
         depth = 0
         n: RadixNode | None = node
-        while n is not None and n is not self._root:
+        while n is not None and not n.is_root:
             depth += len(n.key)
             n = n.parent
-        return depth if n is self._root else None
+        return depth if n is not None else None
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], *, salt: str | None = None) -> InsertResult:
         bs = self.block_size
         n = len(token_ids) // bs
         if len(block_ids) < n:
             raise ValueError(f"{n} full blocks of tokens but only {len(block_ids)} block ids")
         tokens = tuple(token_ids[: n * bs])
-        node, tree_ids = self._walk(tokens)
+        root = self.root_for(salt)
+        node, tree_ids = self._walk(tokens, root)
         num_cached = len(tree_ids)
         if num_cached < n:
             new_ids = list(block_ids[num_cached:n])
@@ -167,23 +207,25 @@ class RadixPrefixCache(PrefixCache):
                 )
             self.allocator.incref(new_ids)  # NOTE: the tree's own reference
             self._unfile(node)  # no longer a leaf
-            leaf = RadixNode(tokens[num_cached * bs :], new_ids, node, self._clock)
+            if root.salt is not None and node is root:
+                self._salt_roots[root.salt] = root  # (already there unless this is the salt's first block)
+            leaf = RadixNode(tokens[num_cached * bs :], new_ids, node, self._clock, root.salt)
             node.children[leaf.key[:bs]] = leaf
             self._tree_blocks.update(new_ids)
             tree_ids.extend(new_ids)
             node = leaf
             if self.kv_events is not None:
-                self.kv_events.stored(tokens, num_cached, tree_ids)
+                self.kv_events.stored(tokens, num_cached, tree_ids, salt=root.salt)
             if self.tier_observer is not None:
-                self.tier_observer.on_insert(tokens, num_cached, tree_ids)
+                self.tier_observer.on_insert(tokens, num_cached, tree_ids, salt=root.salt)
         self._touch(node)
         return InsertResult(num_cached * bs, node, tree_ids)
 
-    def _walk(self, tokens: tuple[int, ...]) -> tuple[RadixNode, list[int]]:
-        """Follow the longest whole-block match of ``tokens`` (block aligned),
+    def _walk(self, tokens: tuple[int, ...], root: RadixNode) -> tuple[RadixNode, list[int]]:
+        """Follow the longest whole-block match of ``tokens`` (block aligned) from ``root`` (a salt's),
         splitting the last edge if the match ends inside it."""
         bs = self.block_size
-        node, block_ids, pos = self._root, [], 0
+        node, block_ids, pos = root, [], 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos : pos + bs])
             if child is None:
@@ -211,9 +253,11 @@ class RadixPrefixCache(PrefixCache):
         bs = self.block_size
         parent = child.parent
         assert parent is not None and 0 < num_blocks < len(child.block_ids)
-        upper = RadixNode(child.key[: num_blocks * bs], child.block_ids[:num_blocks], parent, child.last_access)
+        upper = RadixNode(child.key[: num_blocks * bs], child.block_ids[:num_blocks], parent, child.last_access,
+                          child.salt)
         upper.lock_ref = child.lock_ref
         upper.lease_ref = child.lease_ref  # NOTE: the same leases run through both halves
+        upper.prefix_lease_ref = child.prefix_lease_ref
         upper.lease_stamp = child.lease_stamp
         child.key = child.key[num_blocks * bs :]
         child.block_ids = child.block_ids[num_blocks:]
@@ -224,18 +268,18 @@ class RadixPrefixCache(PrefixCache):
 
     def _touch(self, node: RadixNode) -> None:
         """Mark the root->node path as used now."""
-        if node is self._root:
+        if node.is_root:
             return
         self._clock += 1
         n: RadixNode | None = node
-        while n is not None and n is not self._root:
+        while n is not None and not n.is_root:
             n.last_access = self._clock
             n = n.parent
         self._file(node)
 
     def _file(self, node: RadixNode) -> None:
         """Put an unlocked leaf in the index eviction takes it from (unleased LRU, or leased by renewal)."""
-        if node is self._root or node.children or node.lock_ref > 0 or node.parent is None:
+        if node.is_root or node.children or node.lock_ref > 0 or node.parent is None:
             return
         if node.lease_ref > 0:
             self._evictable.discard(node)
@@ -252,10 +296,10 @@ class RadixPrefixCache(PrefixCache):
 
     def lock(self, node: object) -> None:
         n = self._as_node(node)
-        if n is self._root:
+        if n.is_root:
             return
         n.num_own_locks += 1
-        while n is not self._root:
+        while not n.is_root:
             if n.lock_ref == 0:
                 self._num_locked_blocks += len(n.block_ids)
                 self._unfile(n)
@@ -264,12 +308,12 @@ class RadixPrefixCache(PrefixCache):
 
     def unlock(self, node: object) -> None:
         n = self._as_node(node)
-        if n is self._root:
+        if n.is_root:
             return
         if n.num_own_locks <= 0:
             raise RefCountError(f"unlock of {n!r} which holds no lock of its own (double unlock?)")
         n.num_own_locks -= 1
-        while n is not self._root:
+        while not n.is_root:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 self._num_locked_blocks -= len(n.block_ids)
@@ -309,13 +353,15 @@ class RadixPrefixCache(PrefixCache):
             victim_hashes = self._path_hashes(leaf)[len(ids) - k :]
             if self.tier_observer is not None and not self._observer_paused:
                 path = self._path_tokens(leaf)
-                self.tier_observer.on_evict(path, len(path) // bs - k, victims)
+                self.tier_observer.on_evict(path, len(path) // bs - k, victims, salt=leaf.salt)
             self._evicted.add(victim_hashes)
             if self.kv_events is not None:
                 self.kv_events.removed(victims, victim_hashes)
             if leaf.lease_ref > 0:
                 self._num_leased_blocks -= k
                 self.num_leased_evicted_blocks += k
+            if leaf.prefix_lease_ref > 0:
+                self._num_prefix_leased_blocks -= k
             if k == len(ids):
                 self._remove_leaf(leaf)
             else:
@@ -334,7 +380,7 @@ class RadixPrefixCache(PrefixCache):
     def _path_nodes(self, node: RadixNode) -> list[RadixNode]:
         path: list[RadixNode] = []
         n: RadixNode | None = node
-        while n is not None and n is not self._root:
+        while n is not None and not n.is_root:
             path.append(n)
             n = n.parent
         path.reverse()
@@ -344,25 +390,29 @@ class RadixPrefixCache(PrefixCache):
         return [t for x in self._path_nodes(node) for t in x.key]
 
     def path_of(self, node: object) -> tuple[list[int], list[int]]:
-        """Tokens and tree block ids from the root to the end of ``node``'s edge."""
+        """Tokens and tree block ids from the root (its salt's) to the end of ``node``'s edge."""
         nodes = self._path_nodes(self._as_node(node))
         return [t for x in nodes for t in x.key], [b for x in nodes for b in x.block_ids]
 
-    def leaf_paths(self) -> list[tuple[list[int], list[int]]]:
-        """Every leaf's root path (tokens, block ids): what a shutdown writes back to the tiers."""
+    def salt_of(self, node: object) -> str | None:
+        """The salt of the partition ``node`` is in."""
+        return self._as_node(node).salt
+
+    def leaf_paths(self) -> list[tuple[list[int], list[int], str | None]]:
+        """Every leaf's root path (tokens, block ids, salt): what a shutdown writes back to the tiers."""
         out = []
-        stack = [self._root]
+        stack = self._roots()
         while stack:
             node = stack.pop()
-            if node is not self._root and not node.children:
-                out.append(self.path_of(node))
+            if not node.is_root and not node.children:
+                out.append((*self.path_of(node), node.salt))
             stack.extend(node.children.values())
         return out
 
     def _path_hashes(self, node: RadixNode) -> list[int]:
-        """Chain hashes of the blocks on node's edge (see ``eviction_record.chain_hashes``)."""
+        """Chain hashes of the blocks on node's edge (see ``eviction_record.chain_hashes``), under its salt."""
         tokens = self._path_tokens(node)
-        hashes = chain_hashes(tokens, self.block_size, len(tokens) // self.block_size)
+        hashes = chain_hashes(tokens, self.block_size, len(tokens) // self.block_size, start=salt_seed(node.salt))
         return hashes[len(hashes) - len(node.block_ids) :]
 
     def _remove_leaf(self, leaf: RadixNode) -> None:
@@ -374,14 +424,16 @@ class RadixPrefixCache(PrefixCache):
         if leaf.num_own_leases:
             # NOTE: a lease whose node is evicted keeps protecting what is left of its branch (the
             # parent already counts it in lease_ref); one left with nothing above the root ends.
-            for lease in self._leases:
-                if lease.node is leaf:
-                    if parent is self._root:
-                        self._leases.pop(lease.key)
-                    else:
-                        lease.node = parent
-                        parent.num_own_leases += 1
-            leaf.num_own_leases = leaf.lease_ref = 0
+            for lease in self._leases.on_node(leaf):
+                if parent.is_root:
+                    self._leases.pop(lease.key)
+                else:
+                    self._leases.move(lease, parent)
+                    parent.num_own_leases += 1
+            leaf.num_own_leases = leaf.lease_ref = leaf.prefix_lease_ref = 0
+        if parent.is_root and not parent.children and parent.salt is not None:
+            if self._salt_roots.get(parent.salt) is parent:
+                del self._salt_roots[parent.salt]  # the salt holds nothing any more
         self._file(parent)  # NOTE: parents that become leaves are candidates
 
     def reset(self) -> None:
@@ -402,19 +454,20 @@ class RadixPrefixCache(PrefixCache):
     def stats(self) -> CacheStats:
         a = self.allocator
         locked = self._num_locked_blocks
-        return CacheStats(a.num_total, a.num_free, len(self._tree_blocks) - locked, locked, self._num_leased_blocks)
+        return CacheStats(a.num_total, a.num_free, len(self._tree_blocks) - locked, locked, self._num_leased_blocks,
+                          self._num_prefix_leased_blocks, self._leases.num_prefix)
 
     # ---- why a request missed ---------------------------------------------------------------
 
-    def explain_miss(self, token_ids: Sequence[int], num_matched: int) -> MissExplanation:
+    def explain_miss(self, token_ids: Sequence[int], num_matched: int, *, salt: str | None = None) -> MissExplanation:
         bs = self.block_size
         whole = num_matched // bs * bs
-        node, ids = self._walk(tuple(token_ids[:whole]))
+        node, ids = self._walk(tuple(token_ids[:whole]), self.root_for(salt))
         leased = whole > 0 and len(ids) * bs == whole and node.lease_ref > 0
         if num_matched >= len(token_ids):
             return MissExplanation("none", None, leased)
         if whole + bs <= len(token_ids):
-            next_block = chain_hashes(token_ids, bs, whole // bs + 1)[-1]
+            next_block = chain_hashes(token_ids, bs, whole // bs + 1, start=salt_seed(salt))[-1]
             if next_block in self._evicted:
                 return MissExplanation("evicted", None, leased)
         # NOTE: a cached continuation past the matched point that is not the prompt's: the prompt
@@ -423,9 +476,9 @@ class RadixPrefixCache(PrefixCache):
             return MissExplanation("diverged", num_matched, leased)
         return MissExplanation("new", None, leased)
 
-    def peek_prefix(self, token_ids: Sequence[int]) -> int:
+    def peek_prefix(self, token_ids: Sequence[int], *, salt: str | None = None) -> int:
         n = len(token_ids) // self.block_size
-        _, ids = self._walk(tuple(token_ids[: n * self.block_size]))
+        _, ids = self._walk(tuple(token_ids[: n * self.block_size]), self.root_for(salt))
         return len(ids) * self.block_size
 
     # ---- leases ---------------------------------------------------------------------------------
@@ -433,29 +486,98 @@ class RadixPrefixCache(PrefixCache):
     def set_lease(self, key: str, node: object, seconds: float) -> None:
         n = self._as_node(node)
         old = self._leases.pop(key)
-        if seconds > 0 and n is not self._root and self._depth(n) is not None:
+        if seconds > 0 and not n.is_root and self._depth(n) is not None:
             self._clock += 1
             self._count_lease(n, +1, self._clock)
             self._leases.put(Lease(key, n, self.now() + seconds, self._clock))
             if self.tier_observer is not None:
-                self.tier_observer.on_lease(*self.path_of(n))
+                self.tier_observer.on_lease(*self.path_of(n), salt=n.salt)
         if old is not None:
-            self._count_lease(old.node, -1)  # type: ignore[arg-type]
+            self._count_lease(old.node, -1, prefix=old.is_prefix)  # type: ignore[arg-type]
 
-    def release_lease(self, key: str) -> bool:
+    def lease_prefix(self, token_ids: Sequence[int], seconds: float, *, salt: str | None = None) -> PrefixKey | None:
+        bs = self.block_size
+        n = len(token_ids) // bs
+        if seconds <= 0 or n == 0:
+            return None
+        if len(self._leases):
+            self.expire_leases()
+        node, ids = self._walk(tuple(token_ids[: n * bs]), self.root_for(salt))
+        if not ids:
+            return None
+        key = PrefixKey(salt, chain_hashes(token_ids, bs, len(ids), start=salt_seed(salt))[-1] & _U64)
+        now = self.now()
+        expires_at, ttl = now + seconds, seconds
+        old = self._leases.pop(key)
+        if old is not None:  # the same prefix again: keep the later end and the longer TTL
+            expires_at, ttl = max(expires_at, old.expires_at), max(ttl, old.seconds)
+        self._clock += 1
+        self._count_lease(node, +1, self._clock, prefix=True)
+        self._leases.put(Lease(key, node, expires_at, self._clock, seconds=ttl))
+        if old is not None:
+            self._count_lease(old.node, -1, prefix=True)  # type: ignore[arg-type]
+        elif self.tier_observer is not None:
+            self.tier_observer.on_lease(*self.path_of(node), salt=salt)
+        self._enforce_prefix_cap()
+        return key if self._leases.get(key) is not None else None
+
+    def _enforce_prefix_cap(self) -> None:
+        """Drop prefix leases, least recently renewed first, until their blocks fit the cap."""
+        cap = self.max_prefix_leased_blocks
+        if cap is None:
+            return
+        while self._num_prefix_leased_blocks > cap:
+            oldest = self._leases.oldest_prefix()
+            assert oldest is not None, "prefix-leased blocks counted but no prefix lease is live"
+            before = self._num_prefix_leased_blocks
+            self._leases.pop(oldest.key)
+            self._count_lease(oldest.node, -1, prefix=True)  # type: ignore[arg-type]
+            self.num_prefix_leases_dropped += 1
+            self.num_prefix_leased_dropped_blocks += before - self._num_prefix_leased_blocks
+
+    def _renew_prefix_leases(self, node: RadixNode) -> None:
+        """A match reached ``node``: every prefix lease on its root path is renewed to now + its TTL
+        (never shortened) and goes to the back of the eviction and cap orders."""
+        self.expire_leases()  # NOTE: an expired lease is not brought back by a hit; it is plain LRU now
+        renewed: list[Lease] = []
+        deepest: RadixNode | None = None
+        n: RadixNode | None = node
+        while n is not None and not n.is_root:
+            if n.num_own_leases:
+                found = [x for x in self._leases.on_node(n) if x.is_prefix]
+                if found and deepest is None:
+                    deepest = n
+                renewed.extend(found)
+            n = n.parent
+        if deepest is None:
+            return
+        self._clock += 1
+        now = self.now()
+        for lease in reversed(renewed):  # (shallowest first: the deeper ones end up renewed more recently)
+            lease.expires_at = max(lease.expires_at, now + lease.seconds)
+            lease.stamp = self._clock
+            self._leases.put(lease)
+        self.num_prefix_lease_renewals += len(renewed)
+        n = deepest
+        while n is not None and not n.is_root:
+            n.lease_stamp = self._clock
+            n = n.parent
+        self._file(deepest)
+
+    def release_lease(self, key: LeaseKey) -> bool:
         lease = self._leases.pop(key)
         if lease is None:
             return False
-        self._count_lease(lease.node, -1)  # type: ignore[arg-type]
+        self._count_lease(lease.node, -1, prefix=lease.is_prefix)  # type: ignore[arg-type]
         return True
 
     def expire_leases(self, now: float | None = None) -> int:
         due = self._leases.due(self.now() if now is None else now)
         for lease in due:
-            self._count_lease(lease.node, -1)  # type: ignore[arg-type]
+            self._count_lease(lease.node, -1, prefix=lease.is_prefix)  # type: ignore[arg-type]
         return len(due)
 
-    def lease_info(self, key: str) -> LeaseInfo | None:
+    def lease_info(self, key: LeaseKey) -> LeaseInfo | None:
         self.expire_leases()
         lease = self._leases.get(key)
         if lease is None:
@@ -463,17 +585,31 @@ class RadixPrefixCache(PrefixCache):
         depth = self._depth(lease.node)  # type: ignore[arg-type]
         return LeaseInfo(depth or 0, lease.expires_at)
 
-    def _count_lease(self, node: RadixNode, delta: int, stamp: int | None = None) -> None:
-        """Add (+1) or drop (-1) one lease on the root->node path, keeping the leased-block count."""
+    def prefix_leases(self) -> list[tuple[PrefixKey, LeaseInfo]]:
+        """Every live prefix lease, least recently renewed first (for reports and tests)."""
+        self.expire_leases()
+        return [(x.key, LeaseInfo(self._depth(x.node) or 0, x.expires_at))  # type: ignore[arg-type,misc]
+                for x in self._leases.prefix_leases()]
+
+    def _count_lease(self, node: RadixNode, delta: int, stamp: int | None = None, *, prefix: bool = False) -> None:
+        """Add (+1) or drop (-1) one lease on the root->node path, keeping the leased-block counts
+        (``prefix``: a prefix lease, which counts in the capped prefix-leased blocks too)."""
         node.num_own_leases += delta
         n: RadixNode | None = node
-        while n is not None and n is not self._root:
+        while n is not None and not n.is_root:
             before = n.lease_ref
             n.lease_ref += delta
             if before == 0 and n.lease_ref > 0:
                 self._num_leased_blocks += len(n.block_ids)
             elif before > 0 and n.lease_ref == 0:
                 self._num_leased_blocks -= len(n.block_ids)
+            if prefix:
+                before = n.prefix_lease_ref
+                n.prefix_lease_ref += delta
+                if before == 0 and n.prefix_lease_ref > 0:
+                    self._num_prefix_leased_blocks += len(n.block_ids)
+                elif before > 0 and n.prefix_lease_ref == 0:
+                    self._num_prefix_leased_blocks -= len(n.block_ids)
             if stamp is not None:
                 n.lease_stamp = stamp
             n = n.parent
@@ -491,42 +627,58 @@ class RadixPrefixCache(PrefixCache):
         a = self.allocator
         a.check_integrity()
         self._evictable.check_integrity()
-        bs, root = self.block_size, self._root
-        assert root.parent is None and root.key == () and not root.block_ids and root.lock_ref == 0
+        bs = self.block_size
+        roots = self._roots()
+        for root in roots:
+            assert root.is_root and root.parent is None and root.key == () and not root.block_ids, f"bad root {root!r}"
+            assert root.lock_ref == 0 and root.lease_ref == 0 and root.num_own_leases == 0, "a root is locked or leased"
+            assert root is self._root or (root.children and self._salt_roots[root.salt] is root), (  # type: ignore[index]
+                f"salt root {root.salt!r} holds no block or is filed under another salt")
+        assert self._root.salt is None
         tree_blocks: set[int] = set()
         locked_blocks: set[int] = set()
         leased_blocks: set[int] = set()
+        prefix_leased_blocks: set[int] = set()
         leaves: set[RadixNode] = set()
         leased_leaves: set[RadixNode] = set()
         own_leases: dict[RadixNode, int] = {}
+        own_prefix_leases: dict[RadixNode, int] = {}
         self._leases.check_integrity()
         for lease in self._leases:
-            assert isinstance(lease.node, RadixNode) and lease.node is not root, f"lease {lease.key!r} is on no node"
+            assert isinstance(lease.node, RadixNode) and not lease.node.is_root, f"lease {lease.key!r} is on no node"
             assert self._depth(lease.node) is not None, f"lease {lease.key!r} is on a node that left the tree"
             own_leases[lease.node] = own_leases.get(lease.node, 0) + 1
-        assert root.lease_ref == 0 and root.num_own_leases == 0, "the root holds a lease"
-        stack = [root]
+            if lease.is_prefix:
+                own_prefix_leases[lease.node] = own_prefix_leases.get(lease.node, 0) + 1
+                assert lease.key.salt == lease.node.salt, f"prefix lease {lease.key!r} is under another salt"  # type: ignore[union-attr]
+        stack = list(roots)
         while stack:
             node = stack.pop()
             child_locks = 0
             child_leases = 0
+            child_prefix_leases = 0
             for first, child in node.children.items():
                 assert child.parent is node, f"{child!r} has a wrong parent"
+                assert not child.is_root and child.salt == node.salt, f"{child!r} is in another salt's partition"
                 assert child.block_ids and len(child.key) == len(child.block_ids) * bs, f"{child!r}: bad key length"
                 assert child.key[:bs] == first, f"{child!r} is filed under the wrong first block"
-                assert node is root or child.last_access <= node.last_access, f"{child!r} is newer than its parent"
+                assert node.is_root or child.last_access <= node.last_access, f"{child!r} is newer than its parent"
                 child_locks += child.lock_ref
                 child_leases += child.lease_ref
+                child_prefix_leases += child.prefix_lease_ref
                 stack.append(child)
-            if node is root:
+            if node.is_root:
                 continue
             assert node.last_access <= self._clock
             assert node.num_own_locks >= 0 and node.lock_ref == node.num_own_locks + child_locks, f"{node!r}: lock_ref"
             assert node.num_own_leases == own_leases.get(node, 0), f"{node!r}: own lease count != leases on it"
             assert node.lease_ref == node.num_own_leases + child_leases, f"{node!r}: lease_ref"
+            assert node.prefix_lease_ref == own_prefix_leases.get(node, 0) + child_prefix_leases, f"{node!r}: prefix_lease_ref"
             for b in node.block_ids:
                 assert b not in tree_blocks, f"block {b} appears twice in the tree"
                 tree_blocks.add(b)
+            if node.prefix_lease_ref > 0:
+                prefix_leased_blocks.update(node.block_ids)
             if node.lease_ref > 0:
                 leased_blocks.update(node.block_ids)
             if node.lock_ref > 0:
@@ -536,6 +688,7 @@ class RadixPrefixCache(PrefixCache):
         assert tree_blocks == self._tree_blocks, "tree block set out of sync"
         assert len(locked_blocks) == self._num_locked_blocks, "locked block count out of sync"
         assert len(leased_blocks) == self._num_leased_blocks, "leased block count out of sync"
+        assert len(prefix_leased_blocks) == self._num_prefix_leased_blocks, "prefix-leased block count out of sync"
         self._leased_leaves.check_integrity()
         assert set(self._evictable) == leaves, "evictable-leaf index does not match the tree"
         assert set(self._leased_leaves) == leased_leaves, "leased-leaf index does not match the tree"
@@ -566,10 +719,12 @@ class RadixPrefixCache(PrefixCache):
     def format_tree(self) -> str:
         """Indented dump for debugging failed tests."""
         lines: list[str] = []
-        stack = [(self._root, 0)]
+        stack = [(root, 0) for root in self._roots()]
         while stack:
             node, depth = stack.pop()
-            if node is not self._root:
+            if node.is_root:
+                lines.append(f"root of salt {node.salt!r}")
+            else:
                 lines.append(f"{'  ' * depth}{list(node.key)} {node!r}")
             stack.extend((c, depth + 1) for c in node.children.values())
         return "\n".join(lines)

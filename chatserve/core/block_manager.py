@@ -4,6 +4,9 @@ Reference counting (see DESIGN.md "Cache invariants"): a sequence holds one
 reference on every block of its block table; the prefix cache holds one on
 every block in its tree. Releasing a sequence therefore always decrefs its whole
 table; blocks the tree also holds stay alive for the next request.
+
+Every cache call passes the sequence's ``cache_salt``: it matches and publishes only within its
+salt's partition of the tree.
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool, clock: Callable[[], float] = time.monotonic,
         kv_events: KVEventLog | None = None, tier_observer: TierObserver | None = None,
+        max_prefix_leased_blocks: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.cache: PrefixCache = make_prefix_cache(enable_prefix_caching, self.allocator, block_size, clock, kv_events,
-                                                    tier_observer)
+                                                    tier_observer, max_prefix_leased_blocks)
         self.cache_enabled = enable_prefix_caching
         # seq_id -> copy-on-write of a partially matching cached block, not yet done.
         # NOTE: each holds one reference on its src (so eviction cannot free it
@@ -72,6 +76,7 @@ class BlockManager:
         self.miss_reasons: Counter[str] = Counter({r: 0 for r in MISS_REASONS})  # per request, at first admission
         self.lease_hits = 0  # requests whose hit ended on a leased branch
         self.lease_hit_tokens = 0
+        self.num_prefix_leases_set = 0  # prefix leases (cache_control / prompt_cache_key) set or renewed at a finish
         self._window_freed_upto: dict[int, int] = {}  # seq_id -> table entries already freed or kept
         self.num_window_freed_blocks = 0  # blocks freed by `free_out_of_window`, for metrics and tests
 
@@ -94,7 +99,7 @@ class BlockManager:
         `reuse_partial_block` may then add the leading tokens of the next block.
         """
         assert not seq.block_table and seq.cache_node is None
-        match = self.cache.match_prefix(seq.token_ids[:-1])
+        match = self.cache.match_prefix(seq.token_ids[:-1], salt=seq.cache_salt)
         self.cache.lock(match.node)
         self._drop_prefetch_lock(seq)  # (after locking the match, which covers what was loaded)
         self.allocator.incref(match.block_ids)
@@ -107,10 +112,11 @@ class BlockManager:
     # ---- blocks loaded from the tiers below the tree ------------------------
     def adopt_blocks(
         self, token_ids: list[int], first_block: int, num_blocks: int, fill: Callable[[list[int], int], None],
-        seqs: list[Sequence],
+        seqs: list[Sequence], *, salt: str | None = None,
     ) -> AdoptResult:
-        """Put blocks ``first_block .. first_block+num_blocks-1`` of ``token_ids``, loaded from a lower
-        tier, into free blocks and the tree, and lock them for ``seqs`` until they are admitted.
+        """Put blocks ``first_block .. first_block+num_blocks-1`` of ``token_ids`` (under ``salt``, the
+        seqs' ``cache_salt``), loaded from a lower tier, into free blocks and the tree, and lock them
+        for ``seqs`` until they are admitted.
 
         ``fill(block_ids, first)`` writes the KV of prompt blocks ``first ..`` into ``block_ids``.
         Blocks the tree holds by now are skipped; if it lost part of the prefix before
@@ -125,7 +131,7 @@ class BlockManager:
         """
         bs = self.block_size
         end = first_block + num_blocks
-        match = self.cache.match_prefix(token_ids[: end * bs])
+        match = self.cache.match_prefix(token_ids[: end * bs], salt=salt)
         have = len(match.block_ids)
         if have < first_block or have >= end:
             return AdoptResult(have, 0)
@@ -145,7 +151,7 @@ class BlockManager:
             except BaseException:
                 self.allocator.decref(ids)
                 raise
-            result = self.cache.insert(token_ids[: (have + take) * bs], match.block_ids + ids)
+            result = self.cache.insert(token_ids[: (have + take) * bs], match.block_ids + ids, salt=salt)
             self.allocator.decref(ids)
             for seq in seqs:
                 self._drop_prefetch_lock(seq)
@@ -203,7 +209,7 @@ class BlockManager:
     def explain_miss(self, seq: Sequence, num_cached: int) -> MissExplanation:
         """Why seq's lookup stopped at ``num_cached`` tokens; call right after matching (and the
         partial-block reuse), before anything can be evicted."""
-        return self.cache.explain_miss(seq.token_ids[:-1], num_cached)
+        return self.cache.explain_miss(seq.token_ids[:-1], num_cached, salt=seq.cache_salt)
 
     def record_first_admission(self, seq: Sequence, num_cached: int, why: MissExplanation) -> None:
         """Write the request's one record of its lookup (shared by its n sequences) and count it."""
@@ -298,7 +304,8 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_published_blocks:
             return
-        result = self.cache.insert(seq.token_ids[: num_full * self.block_size], seq.block_table[:num_full])
+        result = self.cache.insert(seq.token_ids[: num_full * self.block_size], seq.block_table[:num_full],
+                                   salt=seq.cache_salt)
         self.cache.lock(result.node)
         self.cache.unlock(seq.cache_node)
         seq.cache_node = result.node
@@ -308,7 +315,8 @@ class BlockManager:
         """Return seq's blocks: computed full blocks stay in the tree, the rest go free.
 
         lease: seq has ended; if it is a session turn, lease its branch for the session's idle time
-        (renewing the previous turn's lease), so unleased traffic is evicted before it.
+        (renewing the previous turn's lease), so unleased traffic is evicted before it; lease each of
+        its ``cache_leases`` prefixes (what of it was computed) for its TTL.
         """
         self._drop_prefetch_lock(seq)
         if seq.cache_node is None and not seq.block_table:
@@ -321,6 +329,8 @@ class BlockManager:
             self.publish(seq)
         if lease and keep_in_cache and seq.session is not None and seq.cache_node is not None:
             self.cache.set_lease(seq.session.session_id, seq.cache_node, seq.session.lease_seconds)
+        if lease and keep_in_cache and seq.cache_leases and seq.cache_node is not None:
+            self._lease_prefixes(seq)
         if seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)
         self.allocator.decref([b for b in seq.block_table if b != FREED_BLOCK])
@@ -329,6 +339,15 @@ class BlockManager:
         seq.cache_node = None
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
+
+    def _lease_prefixes(self, seq: Sequence) -> None:
+        """Lease seq's ``cache_leases`` prefixes: each position's whole prompt blocks, as far as seq
+        published them (all of them, unless it ended before its prompt was computed)."""
+        bs = self.block_size
+        for want in seq.cache_leases:
+            n = min(min(want.position, seq.num_prompt_tokens) // bs, seq.num_published_blocks)
+            if n > 0 and self.cache.lease_prefix(seq.token_ids[: n * bs], want.ttl_s, salt=seq.cache_salt) is not None:
+                self.num_prefix_leases_set += 1
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block back to the free list, so the next request starts cold.

@@ -194,7 +194,9 @@ class Scheduler:
             return False  # no full uncached block to share
         head = seq.token_ids[:end]
         for other in self.running:
-            if other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head:
+            # (another salt's block is never shared: waiting for it would only delay this one)
+            if (other.num_computed_tokens < end <= other.num_tokens and other.cache_salt == seq.cache_salt
+                    and other.token_ids[:end] == head):
                 return True
         return False
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
 from chatserve.outputs import FinishReason, RequestStats, SampleLogprobs
 from chatserve.sampling_params import SamplingParams
@@ -56,6 +57,9 @@ class Sequence:
     # prefix hit and preemptions into it; the engine the tokens and finish).
     stats: RequestStats = field(default_factory=RequestStats)
     session: SessionKV | None = None  # a session turn: its branch is leased when it finishes
+    # NOTE: the request's cache_salt: it matches and inserts only blocks of this salt (cache/radix_tree.py)
+    cache_salt: str | None = None
+    cache_leases: tuple[CacheLease, ...] = ()  # prompt prefixes leased when it finishes (core/cache_lease.py)
     # what has been reported to the user already (for delta outputs)
     sent_text_len: int = 0
     sent_token_len: int = 0

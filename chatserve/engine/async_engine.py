@@ -31,11 +31,12 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from chatserve.engine.kv_event_publisher import KVEventsConfig
@@ -141,6 +142,8 @@ class _Stream:
     abort_queued: bool = False
     finished: bool = False  # the final output (or an error) is in the queue
     session: SessionKV | None = None  # a session turn (its cache branch is leased when it ends)
+    cache_salt: str | None = None  # shares KV blocks only with requests of the same salt
+    cache_leases: tuple[CacheLease, ...] = ()  # prompt prefixes leased when it ends
 
     @property
     def n(self) -> int:
@@ -280,10 +283,12 @@ class AsyncLLMEngine:
         """End a session's KV lease (between steps); False if it held none."""
         return await self._call_between_steps(functools.partial(self.engine.release_kv_lease, session_id))
 
-    async def session_cache_report(self, session_id: str, history_token_ids: list[int]) -> dict[str, Any]:
+    async def session_cache_report(
+        self, session_id: str, history_token_ids: list[int], cache_salt: str | None = None
+    ) -> dict[str, Any]:
         """What the prefix cache holds of a session (see `LLMEngine.session_cache_report`), read between steps."""
         return await self._call_between_steps(
-            functools.partial(self.engine.session_cache_report, session_id, history_token_ids))
+            functools.partial(self.engine.session_cache_report, session_id, history_token_ids, cache_salt))
 
     async def check_integrity(self) -> None:
         """Check the KV-cache invariants between steps; raises AssertionError if one is broken."""
@@ -337,8 +342,26 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         *,
         session: SessionKV | None = None,
+        cache_salt: str | None = None,
+        cache_leases: Iterable[CacheLease | tuple[int, float]] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Start a request and return an async iterator of its outputs (shaped by `output_kind`).
+
+        Prefix-cache options (docs/prefix-cache.md, "Salts and prefix leases"):
+
+        * ``cache_salt``: a non-empty string (vLLM's ``cache_salt``, against prefix-cache timing side
+          channels): the request shares KV blocks only with requests of the same salt, in the radix
+          tree, the disk and Redis tiers and the KV events. None: shares with every unsalted request.
+        * ``cache_leases``: up to 4 ``CacheLease(position, ttl_s)`` (or ``(position, ttl_s)`` pairs):
+          when the request ends, the prefix of its prompt up to token ``position`` (whole KV blocks;
+          past the prompt: all of it) stays leased for ``ttl_s`` seconds, keyed by its block-hash
+          chain and salt; each later request whose prompt matches it renews it. Leases are soft (kept
+          while anything unleased can be evicted instead) and capped by ``--max-prefix-leased-blocks``
+          (the least recently renewed lease is dropped first, counted). Anthropic's ``cache_control``
+          breakpoint = one lease at the breakpoint's token position, ttl 300 or 3600; OpenAI's
+          ``prompt_cache_key`` = one lease at ``len(prompt)`` with the retention's TTL.
+
+        Both are checked here (a PromptError with ``param`` "cache_salt" / "cache_leases").
 
         A regular method, not an `async def`, on purpose: everything that can be refused is checked
         here, before any work, so the caller gets the ValueError (a PromptError for the prompt: too
@@ -355,13 +378,14 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running; use a unique id per request")
         params = sampling_params if sampling_params is not None else SamplingParams()
+        salt, leases = self.engine.check_cache_options(cache_salt, cache_leases)
         processed = self.engine.input_processor.process(prompt)
         self._ensure_loop()
         stats = RequestStats(num_prompt_tokens=processed.num_tokens)
         if session is not None:
             stats.session_history_tokens = session.history_tokens
         stream = _Stream(request_id=request_id, prompt=processed, params=params, metrics=RequestMetrics(request_id, stats),
-                         session=session)
+                         session=session, cache_salt=salt, cache_leases=leases)
         self._streams[request_id] = stream
         self._enqueue(("add", stream))
         return self._iterate(stream)
@@ -518,7 +542,8 @@ class AsyncLLMEngine:
                     continue  # aborted before it was added
                 try:
                     req = self.engine.add_request(stream.request_id, stream.prompt, stream.params, stats=stream.metrics.stats,
-                                                  session=stream.session)
+                                                  session=stream.session, cache_salt=stream.cache_salt,
+                                                  cache_leases=stream.cache_leases)
                 except Exception as exc:  # noqa: BLE001 - validated already; refuse this request only
                     self._deliver_error(stream, exc)
                     continue

@@ -13,11 +13,17 @@ Three flows, all started on the engine's step thread, none of which waits on a d
   (``BlockManager.adopt_blocks``), locked for the request until its first admission, and the
   request joins the scheduler; its prefill then starts after the loaded blocks. An abort while
   the lookup runs drops the result: no block was allocated for it yet.
+
+A request's ``cache_salt`` is part of its first block's key: the key chain starts from
+``blake2b(fingerprint || salt)`` instead of the fingerprint (``chain_seed``), so every block of a
+salted prefix has a name no other salt shares, while the fingerprint itself (in every entry's name
+and header) stays the model's. Entries of two salts are unrelated keys, on disk and in Redis alike.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -77,25 +83,40 @@ class KVTiering:
         logger.info("KV tiers below the radix tree: %s (%s, fingerprint %s)", ", ".join(t.name for t in tiers),
                     self.policy, fingerprint.hex[:16])
 
+    def chain_seed(self, salt: str | None) -> bytes:
+        """Where a prefix's key chain starts: the fingerprint, or for a salted request a digest of
+        the fingerprint and the salt (so the salt is part of the first block's key)."""
+        if salt is None:
+            return self.fp
+        return hashlib.blake2b(self.fp + b"\0cache_salt\0" + salt.encode("utf-8"), digest_size=16).digest()
+
+    def keys_of(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None) -> list[bytes]:
+        """The tiers' keys of blocks ``0 .. num_blocks-1`` of ``token_ids`` under ``salt``."""
+        return block_keys(token_ids, self.block_size, num_blocks, self.chain_seed(salt))
+
     # ---- writes (TierObserver, step thread) -----------------------------------------------------
 
-    def on_insert(self, path_tokens: Sequence[int], first_new_block: int, block_ids: Sequence[int]) -> None:
+    def on_insert(
+        self, path_tokens: Sequence[int], first_new_block: int, block_ids: Sequence[int], *, salt: str | None = None
+    ) -> None:
         if self.policy == "write_through":
-            self._write(path_tokens, first_new_block, block_ids[first_new_block:])
+            self._write(path_tokens, first_new_block, block_ids[first_new_block:], salt)
 
-    def on_evict(self, path_tokens: Sequence[int], first_victim: int, victim_ids: Sequence[int]) -> None:
-        self._write(path_tokens, first_victim, victim_ids)
+    def on_evict(
+        self, path_tokens: Sequence[int], first_victim: int, victim_ids: Sequence[int], *, salt: str | None = None
+    ) -> None:
+        self._write(path_tokens, first_victim, victim_ids, salt)
 
-    def on_lease(self, path_tokens: Sequence[int], block_ids: Sequence[int]) -> None:
-        self._write(path_tokens, 0, block_ids)
+    def on_lease(self, path_tokens: Sequence[int], block_ids: Sequence[int], *, salt: str | None = None) -> None:
+        self._write(path_tokens, 0, block_ids, salt)
 
-    def _write(self, path_tokens: Sequence[int], first: int, block_ids: Sequence[int]) -> None:
-        """Copy blocks ``first ..`` of the path (ids ``block_ids``) to the writer, skipping known ones."""
+    def _write(self, path_tokens: Sequence[int], first: int, block_ids: Sequence[int], salt: str | None = None) -> None:
+        """Copy blocks ``first ..`` of the path (ids ``block_ids``, under ``salt``) to the writer, skipping known ones."""
         if not block_ids:
             return
         bs = self.block_size
         end = first + len(block_ids)
-        keys = block_keys(path_tokens, bs, end, self.fp)
+        keys = self.keys_of(path_tokens, end, salt)
         todo = [(first + i, b) for i, b in enumerate(block_ids) if not self.store.is_known(self.store.name_of(keys[first + i]))]
         if not todo:
             return
@@ -106,7 +127,7 @@ class KVTiering:
         if not todo:
             return
         payloads = self.runner.read_kv_blocks([b for _, b in todo])
-        hashes = event_hashes(path_tokens, bs, end) if self.record_events else []
+        hashes = event_hashes(path_tokens, bs, end, salt) if self.record_events else []
         jobs = []
         for (i, _), payload in zip(todo, payloads):
             tokens = tuple(path_tokens[i * bs : (i + 1) * bs])
@@ -119,10 +140,10 @@ class KVTiering:
         bm = self.block_manager
         if bm is None or not hasattr(bm.cache, "leaf_paths"):
             return
-        for tokens, ids in bm.cache.leaf_paths():
+        for tokens, ids, salt in bm.cache.leaf_paths():
             if self.store.room_for(len(ids)) < len(ids):
                 self.store.flush()  # NOTE: at shutdown waiting is right: this is the tree's last chance
-            self._write(tokens, 0, ids)
+            self._write(tokens, 0, ids, salt)
 
     def stored_events(self) -> list[BlockStored]:
         """BlockStored events (``medium`` DISK / REDIS) for blocks the writer stored since the last call."""
@@ -138,16 +159,18 @@ class KVTiering:
         """Does the prompt have a full block (before its last token) past what the tree holds?"""
         return (len(prompt) - 1) // self.block_size > tree_tokens // self.block_size
 
-    def submit_lookup(self, prompt: Sequence[int], tree_tokens: int) -> concurrent.futures.Future[KVLookup]:
+    def submit_lookup(
+        self, prompt: Sequence[int], tree_tokens: int, salt: str | None = None
+    ) -> concurrent.futures.Future[KVLookup]:
         self.num_lookups += 1
         first = tree_tokens // self.block_size
-        return self._loader.submit(self._lookup, list(prompt[:-1]), first)
+        return self._loader.submit(self._lookup, list(prompt[:-1]), first, salt)
 
-    def _lookup(self, tokens: list[int], first: int) -> KVLookup:
+    def _lookup(self, tokens: list[int], first: int, salt: str | None = None) -> KVLookup:
         bs = self.block_size
         n = len(tokens) // bs
         try:
-            keys = block_keys(tokens, bs, n, self.fp)[first:]
+            keys = self.keys_of(tokens, n, salt)[first:]
             block_tokens = [tokens[i * bs : (i + 1) * bs] for i in range(first, n)]
             return KVLookup(first, self.store.load_run(keys, block_tokens))
         except Exception as exc:  # noqa: BLE001 - a lookup that fails is a miss, never a failed request
@@ -172,7 +195,8 @@ class KVTiering:
         def fill(block_ids: list[int], start: int) -> None:
             self.runner.write_kv_blocks(block_ids, payloads[start - first : start - first + len(block_ids)])
 
-        res = self.block_manager.adopt_blocks(prompt[:-1], first, len(payloads), fill, seqs)
+        res = self.block_manager.adopt_blocks(prompt[:-1], first, len(payloads), fill, seqs,
+                                              salt=seqs[0].cache_salt if seqs else None)
         if res.num_blocks == 0:
             if res.first_block < first:  # the tree evicted part of the prefix the run hangs from
                 self.num_lost_loads += 1
@@ -191,11 +215,11 @@ class KVTiering:
 
     # ---- reports ---------------------------------------------------------------------------------
 
-    def locate(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Tokens of ``token_ids`` (whole blocks, from the start) each tier holds."""
+    def locate(self, token_ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
+        """Tokens of ``token_ids`` (whole blocks, from the start, under ``salt``) each tier holds."""
         bs = self.block_size
         n = len(token_ids) // bs
-        keys = block_keys(token_ids, bs, n, self.fp)
+        keys = self.keys_of(token_ids, n, salt)
         return {tier: count * bs for tier, count in self.store.locate(keys).items()}
 
     def stats(self) -> dict[str, Any]:

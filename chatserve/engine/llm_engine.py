@@ -380,7 +380,8 @@ class LLMEngine:
                 if leader is not None:
                     req.kv_load_future, req.kv_follows = leader.kv_load_future, leader.request_id
                 else:
-                    req.kv_load_future = tiers.submit_lookup(prompt, held, req.cache_salt)
+                    salted = {} if req.cache_salt is None else {"salt": req.cache_salt}  # (unsalted: the plain call)
+                    req.kv_load_future = tiers.submit_lookup(prompt, held, **salted)
                     if self.kv_lookup_started is not None:
                         self.kv_lookup_started(req.kv_load_future)
                 self.waiting_for_kv[req.request_id] = req

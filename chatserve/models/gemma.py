@@ -39,8 +39,9 @@ class GemmaRMSNorm(nn.Module):
     """x / rms(x) * (1 + w), all in float32, cast to x's dtype at the end (transformers' Gemma2RMSNorm).
 
     The stored weight is the checkpoint's w (bf16 in a bf16 model, as transformers keeps it);
-    `process_weights` computes 1 + w once in float32, so bf16 models do not round 1 + w to bf16
-    (which would move every norm by up to 0.4%).
+    `process_weights` (called by the model's `post_load`, so on a weight-cache hit too) computes
+    1 + w once in float32, so bf16 models do not round 1 + w to bf16 (which would move every norm
+    by up to 0.4%).
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -109,8 +110,7 @@ class GemmaForCausalLM(LlamaFamilyForCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, ops: LayerOps) -> None:
         super().__init__(cfg, max_positions, ops)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.max_positions = max_positions
-        # the local layers' rotary table (Gemma 3), built in load_weights next to the runner's global one
+        # the local layers' rotary table (Gemma 3), built by post_load next to the global one
         self.rotary_local: RotaryEmbedding | None = None
         self._gemma_layers: tuple[Callable[..., torch.Tensor], ...] = tuple(direct(layer) for layer in self.layers)
         self._local = tuple(layer.layer_type == LOCAL_LAYER for layer in self.layers)
@@ -135,19 +135,23 @@ class GemmaForCausalLM(LlamaFamilyForCausalLM):
             return h.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         return self.logits(h)
 
-    @torch.inference_mode()
-    def process_weights(self) -> None:
-        super().process_weights()
-        for module in self.modules():
-            if isinstance(module, GemmaRMSNorm):
-                module.process_weights()
+    def rope_tables(self) -> dict[str, str | None]:
+        """Gemma 3: the global layers' table (rope_theta and its scaling) and the local layers' one
+        (rope_local_base_freq); Gemma 2: one table for every layer."""
+        if _has_local_rope(self.config.hf_config):
+            return {"rotary": GLOBAL_LAYER, "rotary_local": LOCAL_LAYER}
+        return {"rotary": None}
+
+    def post_load(self) -> None:
+        """The rotary tables (`rope_tables`) and each norm's 1 + w, on every load path: a weight-cache
+        hit maps the weights and runs neither load_weights nor process_weights."""
+        super().post_load()
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, GemmaRMSNorm):
+                    module.process_weights()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
-        hf = self.config.hf_config
-        if _has_local_rope(hf):  # on the device of the global table the model runner set
-            device = self.rotary.cos_cache.device
-            self.rotary = RotaryEmbedding(hf, self.config.head_dim, self.max_positions, layer_type=GLOBAL_LAYER).to(device)
-            self.rotary_local = RotaryEmbedding(hf, self.config.head_dim, self.max_positions, layer_type=LOCAL_LAYER).to(device)
         super().load_weights(_text_weights(weights))
 
 

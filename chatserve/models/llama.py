@@ -137,7 +137,9 @@ _STACKED = {
 class LlamaFamilyForCausalLM(nn.Module):
     """Built with its `LayerOps` (what every layer runs, chosen once by the model runner);
     `load_weights` fills the HF-named tensors in, `process_weights` then lets each layer's method
-    repack them."""
+    repack them, and `post_load` builds what is not a weight (the rotary tables, values derived from
+    the weights). The weight cache (models/weight_cache.py) skips the first two on a hit, never the
+    third: the loader calls `post_load` last on every path."""
 
     # every layer through csrc/tier_kernels.cpp's LayerStack where its kernels allow; a family whose
     # layers differ from Llama's (models/gemma.py) sets False
@@ -158,6 +160,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.cpu)
         # A tied lm_head gets the embedding's weight at load (`load_weights`), then its method's layout.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops.linear)
+        self.max_positions = max_positions  # the rows of the rotary tables (and long-rope's choice of factors)
+        # (rebuilt on the weights' device by post_load, whichever way the weights arrive)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
         self._layer_forwards = tuple(direct(layer) for layer in self.layers)
         self._layer_caches: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -222,6 +226,32 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.ops.release_memory()
         self.lm_head.process_weights()
         self.finish_processing()
+
+    def rope_tables(self) -> dict[str, str | None]:
+        """The rotary tables this model rotates with: attribute name -> the layer type whose rope
+        settings build it (None: the config's one rope for every layer). Read by `post_load` and by
+        `rope_identity`; a family with per-layer-type rope (Gemma 3) names more than one."""
+        return {"rotary": None}
+
+    def post_load(self) -> None:
+        """Build the model's state that is not a weight, from its config and its loaded weights: each
+        rotary table of `rope_tables` (on the weights' device) and whatever a family derives from its
+        weights without keeping it in a parameter or a Linear's processed state (Gemma's (1 + w) norm
+        scales). The loader calls it last on every path, weights filled from the checkpoint or mapped
+        from the weight cache (`weight_cache.load_weights_cached`), so nothing a model computes at load
+        may live only in `load_weights` or `process_weights`: a cache hit runs neither. Idempotent; a
+        family that builds more overrides it and calls this one first."""
+        device = self.norm.weight.device
+        hf, head_dim = self.config.hf_config, self.config.head_dim
+        for name, layer_type in self.rope_tables().items():
+            setattr(self, name, RotaryEmbedding(hf, head_dim, self.max_positions, layer_type=layer_type).to(device))
+
+    def rope_identity(self) -> dict[str, Any]:
+        """What each rotary table is built from, resolved (`resolved_rope`): a KV block's bytes
+        depend on it, so the KV tiers' fingerprint holds it (engine/kv_tiering.py)."""
+        cfg = self.config
+        return {name: resolved_rope(cfg.hf_config, cfg.head_dim, self.max_positions, layer_type)
+                for name, layer_type in sorted(self.rope_tables().items())}
 
     @torch.inference_mode()
     def finish_processing(self) -> None:
@@ -301,6 +331,41 @@ class LlamaFamilyForCausalLM(nn.Module):
                 missing.append(name)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+# rope types whose tables depend on the engine's context length (layers/rotary.py: long-rope picks its
+# factors by it, dynamic NTK scales its base for it)
+_LENGTH_DEPENDENT_ROPE = frozenset({"longrope", "dynamic"})
+
+
+def resolved_rope(hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> dict[str, Any]:
+    """One rotary table's identity: the rope parameters as the config resolves them for `layer_type`
+    (type, theta, the scaling's own keys), the context length where the type depends on it (else
+    None), and a SHA-256 of the inverse frequencies and attention scaling `rope_inv_freq` computes
+    from them, so a change in how they are computed (transformers' rope functions) changes it too."""
+    import hashlib
+    import json
+    import struct
+
+    from chatserve.layers.rotary import rope_inv_freq
+
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        params = {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    params = {k: v for k, v in params.items() if not isinstance(v, dict)}  # (another layer type's settings)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_type", rope_type)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    inv_freq, scaling = rope_inv_freq(hf_config, head_dim, layer_type=layer_type, max_positions=max_positions)
+    digest = hashlib.sha256(inv_freq.contiguous().numpy().tobytes() + struct.pack("<d", scaling)).hexdigest()
+    return {
+        "parameters": json.loads(json.dumps(params, sort_keys=True, default=str)),
+        "max_positions": max_positions if rope_type in _LENGTH_DEPENDENT_ROPE else None,
+        "inv_freq_sha256": digest,
+    }
 
 
 # Mixtral's expert names -> Qwen3-MoE / OLMoE's (which FusedMoE's parameters follow)

@@ -38,6 +38,15 @@ lm_head and embedding share one tensor). A model class opts in by having `finish
 tail of `process_weights` that runs again after restoring (tied embeddings, the C++ layer stack);
 weights held anywhere else would be missing after a restore, so a family that keeps tensors outside
 parameters and Linear methods must not define it.
+
+What is not a weight is never saved and always rebuilt: a hit runs neither `load_weights` nor
+`process_weights`, so everything a model builds at load that is not a parameter or a Linear's
+processed state (its rotary tables, Gemma 3's local and global ones included; Gemma's (1 + w) norm
+scales; anything similar a family adds) is built by the model's `post_load()`, which
+`load_weights_cached` calls last on every path: cache off, unusable, written, or mapped. A model
+that built such state in `load_weights` answered differently at its second start (issue 51);
+tests/test_weight_cache_families.py loads every family twice from one cache and compares logits bit
+for bit.
 """
 
 from __future__ import annotations
@@ -477,8 +486,16 @@ def _exclusive(path: Path) -> Iterator[None]:
 def load_weights_cached(model: nn.Module, fill: Callable[[], None], *, config: WeightCacheConfig | None,
                         source: ModelSource, dtype: torch.dtype, device: torch.device, ops: Any) -> WeightCacheResult:
     """Give `model` its processed weights: mapped from a valid cache entry, or by `fill()` (load_weights +
-    process_weights) and then written to the cache and mapped from it. The model must have been built
-    but not filled."""
+    process_weights) and then written to the cache and mapped from it; then, whichever way they came,
+    `model.post_load()` builds what is not a weight (rotary tables, derived scales). The model must
+    have been built but not filled."""
+    result = _fill_or_map(model, fill, config=config, source=source, dtype=dtype, device=device, ops=ops)
+    model.post_load()  # type: ignore[operator]  # every path: a hit never ran load_weights / process_weights
+    return result
+
+
+def _fill_or_map(model: nn.Module, fill: Callable[[], None], *, config: WeightCacheConfig | None,
+                 source: ModelSource, dtype: torch.dtype, device: torch.device, ops: Any) -> WeightCacheResult:
     if config is None or not config.enabled:
         fill()
         return WeightCacheResult("off")

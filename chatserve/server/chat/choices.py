@@ -53,6 +53,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
     has_logprobs: bool = False
     error: str | None = None
 
@@ -77,6 +78,7 @@ class Accumulator:
             c.logprobs.extend(d.logprobs)
         if d.finish_reason:
             c.finish_reason = d.finish_reason
+            c.stop_reason = d.stop_reason
         if d.error:
             c.error = d.error
 

@@ -72,6 +72,11 @@ class Generation:
             raise
 
     @property
+    def cached_tokens_so_far(self) -> int:
+        """Prompt tokens the prefix cache served, as far as the engine has said (each request says it with its first output)."""
+        return sum(self._cached.values())
+
+    @property
     def finished(self) -> bool:
         return len(self._done) == len(self.engine_ids)
 

@@ -25,6 +25,9 @@ class ToolPlan:
     choice: ToolChoice
     parallel: bool
     rendering: ToolRendering
+    rendered: list[FunctionTool] | None = None
+    """The tools the prompt lists, when not all of `tools` (Anthropic's deferred tools are callable once a
+    `tool_reference` loads them, where the reference stands, never in the list: that would move the prefix)."""
 
     @property
     def format(self) -> ToolFormat:
@@ -37,7 +40,8 @@ class ToolPlan:
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The `tools=` of the chat template: none with tool_choice "none" (the model is not offered them)."""
-        return [t.to_template() for t in self.tools] if self.parses_calls else None
+        listed = self.tools if self.rendered is None else self.rendered
+        return [t.to_template() for t in listed] if self.parses_calls and listed else None
 
     def parser(self) -> ToolCallStreamParser:
         return ToolCallStreamParser(self.format, [t.name for t in self.choice.allowed(self.tools)])

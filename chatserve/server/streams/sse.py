@@ -77,15 +77,17 @@ class PlainKeepalive(ServerSentEvent):
 
 
 def sse_response(events: AsyncIterator[dict[str, Any]], *, keepalive_s: float, headers: dict[str, str],
-                 numbered: bool) -> EventSourceResponse:
+                 numbered: bool, keepalive: type[ServerSentEvent] | None = None) -> EventSourceResponse:
     """An SSE response that writes a keepalive comment every keepalive_s from start to end, while the
     request waits in the queue, prefills and decodes alike (so proxies keep the connection open).
 
     `numbered`: the events carry `id:` lines (a logged stream); a plain stream's must not, and a
-    plain event that has one is a bug caught here, not a framing a client has to cope with."""
+    plain event that has one is a bug caught here, not a framing a client has to cope with.
+    `keepalive`: an API's own keepalive event (Anthropic's `ping`) in place of the comment."""
     if not numbered:
         events = _plain(events)
-    return EventSourceResponse(events, ping=keepalive_s, ping_message_factory=Keepalive if numbered else PlainKeepalive,
+    factory = keepalive or (Keepalive if numbered else PlainKeepalive)
+    return EventSourceResponse(events, ping=keepalive_s, ping_message_factory=factory,
                                headers={**headers, "Cache-Control": "no-cache"})
 
 

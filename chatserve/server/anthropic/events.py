@@ -1,0 +1,163 @@
+"""A reply as Anthropic's content blocks: the stream's events and, from the same events, the whole message.
+
+`MessageBuilder` is fed the reply's text deltas. Text goes through the request's tool-call parser
+(the one the OpenAI replies use, `tools/parser.py`) when the request offers tools: text that cannot
+be part of a call opens (or continues) a `text` block at once, a call becomes a `tool_use` block
+(`content_block_start` with its id and name, `input_json_delta` with its arguments,
+`content_block_stop`). The non-streaming body is the blocks those same events built, so both ways
+give the same content. `stop_reason` follows Anthropic: `end_turn`, `stop_sequence` (with the
+matched `stop_sequence`), `max_tokens`, `model_context_window_exceeded` (the context, not the
+budget, ended the reply) and `tool_use`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from sse_starlette.event import ServerSentEvent
+
+from chatserve.server.chat.tool_request import ToolPlan
+from chatserve.server.streams.sse import dumps
+from chatserve.tools import ToolCallStreamParser
+from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent
+
+_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_id(prefix: str) -> str:
+    """`msg_...` / `toolu_...`: Anthropic's id shapes (24 random alphanumerics)."""
+    return prefix + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+
+
+class Ping(ServerSentEvent):
+    """Anthropic's keepalive: a real `ping` event (its SDK skips it), not an SSE comment."""
+
+    LINE = b'event: ping\r\ndata: {"type":"ping"}\r\n\r\n'
+
+    def __init__(self) -> None:
+        super().__init__(event="ping")
+
+    def encode(self) -> bytes:
+        return self.LINE
+
+
+def sse(event: dict[str, Any]) -> dict[str, Any]:
+    """One SSE frame with its `event:` line, as Anthropic frames every event (the SDK dispatches on it)."""
+    return {"event": event["type"], "data": dumps(event)}
+
+
+@dataclass
+class AnthropicUsage:
+    """Anthropic's usage: `input_tokens` excludes cached tokens, so input + cache read + cache creation is the prompt."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    creation_5m: int = 0
+    creation_1h: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        creation = self.creation_5m + self.creation_1h
+        return {
+            "input_tokens": max(self.prompt_tokens - self.cached_tokens - creation, 0),
+            "cache_creation_input_tokens": creation,
+            "cache_read_input_tokens": self.cached_tokens,
+            "cache_creation": {"ephemeral_5m_input_tokens": self.creation_5m,
+                               "ephemeral_1h_input_tokens": self.creation_1h},
+            "output_tokens": self.output_tokens,
+            "service_tier": "standard",
+        }
+
+
+def stop_reason(finish_reason: str | None, matched: str | int | None, called: bool, context_full: bool) -> str:
+    if finish_reason == "length":
+        return "model_context_window_exceeded" if context_full else "max_tokens"
+    if called:
+        return "tool_use"
+    if isinstance(matched, str):
+        return "stop_sequence"
+    return "end_turn"  # an end-of-turn token, a stop token id, or a cancelled reply (docs/anthropic.md)
+
+
+@dataclass
+class MessageBuilder:
+    """The reply's content blocks, built from text deltas; each step returns the events it makes."""
+
+    message_id: str
+    model: str
+    plan: ToolPlan | None
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+    _open_text: bool = False
+    _parser: ToolCallStreamParser | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan is not None and self.plan.parses_calls:
+            names = [t.name for t in self.plan.choice.allowed(self.plan.tools)]
+            self._parser = ToolCallStreamParser(self.plan.format, names, make_id=lambda: new_id("toolu_"))
+
+    @property
+    def called(self) -> bool:
+        return self._parser is not None and bool(self._parser.calls)
+
+    def message(self, usage: AnthropicUsage, stop: str | None, stop_sequence: str | None,
+                content: bool = True) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": [dict(b) for b in self.blocks] if content else [], "stop_reason": stop,
+                "stop_sequence": stop_sequence, "usage": usage.as_dict()}
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = self._parser.feed(text) if self._parser is not None else [TextEvent(text)]
+        return self._blocks(events)
+
+    def finish(self, truncated: bool) -> list[dict[str, Any]]:
+        events = self._parser.finish(truncated=truncated) if self._parser is not None else []
+        out = self._blocks(events)
+        out += self._close_text()
+        return out
+
+    def _close_text(self) -> list[dict[str, Any]]:
+        if not self._open_text:
+            return []
+        self._open_text = False
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+
+    def _blocks(self, events: list[StreamEvent]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, TextEvent):
+                if not e.text:
+                    continue
+                if not self._open_text:
+                    self.blocks.append({"type": "text", "text": ""})
+                    self._open_text = True
+                    out.append({"type": "content_block_start", "index": len(self.blocks) - 1,
+                                "content_block": {"type": "text", "text": ""}})
+                self.blocks[-1]["text"] += e.text
+                out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                            "delta": {"type": "text_delta", "text": e.text}})
+            elif isinstance(e, CallEvent):
+                out += self._close_text()
+                index = len(self.blocks)
+                self.blocks.append({"type": "tool_use", "id": e.call.id, "name": e.call.name,
+                                    "input": _input_object(e.call.arguments)})
+                out.append({"type": "content_block_start", "index": index,
+                            "content_block": {"type": "tool_use", "id": e.call.id, "name": e.call.name, "input": {}}})
+                out.append({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": e.call.arguments}})
+                out.append({"type": "content_block_stop", "index": index})
+        return out
+
+
+def _input_object(arguments: str) -> dict[str, Any]:
+    """A call's `input` (a call cut by max_tokens keeps what parses: the SDK's accumulator does the same)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,269 @@
+"""A Messages request as the chat template's conversation, rendered so that agents keep their prefix.
+
+Agents send the same long prefix on every turn (tools, system prompt, environment), and a prefix
+cache only pays if that prefix renders to the same tokens every time. Three rules keep it so:
+
+- The `x-anthropic-billing-header:` block Claude Code puts first in `system` (`cc_version=...`,
+  in some set-ups a per-request `cch=` hash) is dropped: it says nothing to the model and would
+  make every request's first tokens differ.
+- Inline `system` messages render where they stand, never hoisted to the top (that would change
+  the first turn's tokens when a later turn adds one). A template that refuses a system turn
+  there gets its text folded into the next user turn (or the previous one), in place.
+- The text blocks of one message join with one fixed separator (`BLOCK_SEPARATOR`), so a message
+  sent as blocks on one turn and as the equal joined string on the next renders to the same tokens.
+
+Tool results that are not text (Claude Code's Read on a PNG) render as a fixed placeholder, and
+deferred tools (`defer_loading: true`) are left out of the tool list until a `tool_reference`
+names them, then rendered where the reference stands (callable from then on).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from chatserve.engine.input_processor import InputProcessor, PromptError
+from chatserve.server.anthropic.protocol import (
+    MessageParam,
+    MessagesBase,
+    TextBlock,
+    ToolParam,
+    ToolReferenceBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from chatserve.server.chat.tool_request import ToolPlan
+from chatserve.server.errors import bad_request
+from chatserve.tools import FunctionTool, ToolChoice
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+BLOCK_SEPARATOR = "\n\n"
+"""Between the text blocks of one message (and of one tool result)."""
+NOT_TEXT_PLACEHOLDER = "[{kind} content omitted: this model reads text only]"
+ERROR_PREFIX = "Error: "
+"""What a `tool_result` with `is_error: true` starts with."""
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A `cache_control` mark: the prompt's first `position` tokens are to stay cached for `ttl_s`."""
+
+    position: int
+    ttl_s: float
+
+
+@dataclass
+class RenderedMessages:
+    ids: list[int]
+    plan: ToolPlan | None
+    breakpoints: list[Breakpoint]
+
+
+def _is_billing_header(text: str) -> bool:
+    return text.lstrip().startswith(BILLING_HEADER)
+
+
+def system_text(system: str | list[TextBlock] | None) -> str:
+    """The top-level system prompt, the billing header dropped (a block of it, or its lines in a string)."""
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        return "\n".join(line for line in system.split("\n") if not _is_billing_header(line)).strip("\n")
+    return BLOCK_SEPARATOR.join(b.text for b in system if not _is_billing_header(b.text))
+
+
+def _tool_result_text(block: ToolResultBlock, deferred: dict[str, ToolParam], loaded: set[str]) -> str:
+    if isinstance(block.content, str):
+        text = block.content
+    else:
+        parts = []
+        for b in block.content:
+            if isinstance(b, TextBlock):
+                parts.append(b.text)
+            elif isinstance(b, ToolReferenceBlock):
+                tool = deferred.get(b.tool_name)
+                if tool is None:
+                    parts.append(f"[tool_reference: no deferred tool is named {b.tool_name!r}]")
+                else:
+                    loaded.add(tool.name)
+                    parts.append("Tool loaded: " + json.dumps(_function(tool).to_template()["function"], ensure_ascii=False))
+            else:
+                parts.append(NOT_TEXT_PLACEHOLDER.format(kind=b.type))
+        text = BLOCK_SEPARATOR.join(parts)
+    return ERROR_PREFIX + text if block.is_error else text
+
+
+def _function(tool: ToolParam) -> FunctionTool:
+    return FunctionTool(tool.name, tool.description, tool.input_schema)
+
+
+def _message_turns(m: MessageParam, deferred: dict[str, ToolParam], loaded: set[str]) -> list[dict[str, Any]]:
+    """One Anthropic message as template turns (a user message with tool results is several)."""
+    blocks = m.blocks()
+    if m.role == "system":
+        text = BLOCK_SEPARATOR.join(b.text for b in blocks if isinstance(b, TextBlock) and not _is_billing_header(b.text))
+        return [{"role": "system", "content": text}] if text else []
+    if m.role == "assistant":
+        text = BLOCK_SEPARATOR.join(b.text for b in blocks if isinstance(b, TextBlock))
+        turn: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = [b for b in blocks if isinstance(b, ToolUseBlock)]
+        if calls:  # (thinking blocks are not rendered: no reasoning parser yet, docs/anthropic.md)
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.input}}
+                                  for c in calls]
+        return [turn]
+    turns: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for b in blocks:
+        if isinstance(b, TextBlock):
+            pending.append(b.text)
+        elif isinstance(b, ToolResultBlock):
+            if pending:
+                turns.append({"role": "user", "content": BLOCK_SEPARATOR.join(pending)})
+                pending = []
+            turns.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                          "content": _tool_result_text(b, deferred, loaded)})
+    if pending or not turns:
+        turns.append({"role": "user", "content": BLOCK_SEPARATOR.join(pending)})
+    return turns
+
+
+def conversation(body: MessagesBase, upto: tuple[int, int] | None = None) -> tuple[list[dict[str, Any]], set[str]]:
+    """The template conversation and the deferred tools it loads; `upto` (message, block): stop after that block."""
+    deferred = {t.name: t for t in body.tools or [] if t.defer_loading}
+    loaded: set[str] = set()
+    turns: list[dict[str, Any]] = []
+    system = system_text(body.system)
+    if system:
+        turns.append({"role": "system", "content": system})
+    for i, m in enumerate(body.messages):
+        if upto is not None and i > upto[0]:
+            break
+        if upto is not None and i == upto[0] and isinstance(m.content, list):
+            m = MessageParam.model_construct(role=m.role, content=m.content[:upto[1] + 1])
+        turns.extend(_message_turns(m, deferred, loaded))
+    return turns, loaded
+
+
+def fold_inline_system(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For templates that refuse a system turn past the first: each one's text joins the next user
+    turn (else the previous one), where it stands; no turn moves."""
+    out = [dict(t) for t in turns]
+    k = 1
+    while k < len(out):
+        if out[k]["role"] != "system":
+            k += 1
+            continue
+        text = out.pop(k)["content"]
+        after = next((j for j in range(k, len(out)) if out[j]["role"] == "user"), None)
+        before = next((j for j in range(k - 1, -1, -1) if out[j]["role"] == "user"), None)
+        if after is not None:
+            out[after]["content"] = text + BLOCK_SEPARATOR + out[after]["content"]
+        elif before is not None:
+            out[before]["content"] = out[before]["content"] + BLOCK_SEPARATOR + text
+        else:
+            out.insert(k, {"role": "user", "content": text})
+            k += 1
+    return out
+
+
+def tool_plan(body: MessagesBase, processor: InputProcessor, chat_template: str | None, loaded: set[str]) -> ToolPlan | None:
+    """The request's tools as the shared ToolPlan: listed ones in the prompt, deferred ones callable once loaded."""
+    if not body.tools:
+        return None
+    listed = [_function(t) for t in body.tools if not t.defer_loading]
+    callable_ = [_function(t) for t in body.tools if not t.defer_loading or t.name in loaded]
+    choice_param = body.tool_choice
+    if choice_param is None or choice_param.type == "auto":
+        choice = ToolChoice("auto")
+    elif choice_param.type == "any":
+        choice = ToolChoice("required")
+    elif choice_param.type == "tool":
+        choice = ToolChoice("named", choice_param.name)
+    else:
+        choice = ToolChoice("none")
+    if choice.mode == "named" and choice.name not in {t.name for t in callable_}:
+        raise bad_request(f"tool_choice names {choice.name!r}, a deferred tool no tool_reference has loaded yet",
+                          param="tool_choice.name")
+    parallel = not (choice_param is not None and choice_param.disable_parallel_tool_use)
+    return ToolPlan(callable_, choice, parallel, processor.tool_rendering(chat_template), rendered=listed)
+
+
+def _final_prefill(body: MessagesBase) -> bool:
+    """A final assistant message is a prefill the reply continues (text only, no trailing whitespace, as Anthropic)."""
+    last = body.messages[-1]
+    if last.role != "assistant":
+        return False
+    blocks = last.blocks()
+    where = f"messages.{len(body.messages) - 1}"
+    if any(isinstance(b, ToolUseBlock) for b in blocks):
+        raise bad_request(f"{where}: a final assistant message (a prefill) cannot hold tool_use blocks; send their "
+                          "tool_result in a user message", param=where)
+    text = BLOCK_SEPARATOR.join(b.text for b in blocks if isinstance(b, TextBlock))
+    if text != text.rstrip():
+        raise bad_request(f"{where}: final assistant content cannot end with trailing whitespace", param=where)
+    return bool(text)
+
+
+def render(body: MessagesBase, processor: InputProcessor, chat_template: str | None,
+           *, with_breakpoints: bool = True) -> RenderedMessages:
+    """The request's exact prompt ids, its tool plan and where its cache_control breakpoints fall."""
+    turns, loaded = conversation(body)
+    plan = tool_plan(body, processor, chat_template, loaded)
+    tools = plan.template_tools() if plan is not None else None
+    continuing = _final_prefill(body)
+    fold = False
+
+    def ids_of(conv: list[dict[str, Any]], final: bool) -> list[int]:
+        return processor.render_chat(fold_inline_system(conv) if fold else conv, add_generation_prompt=final and not continuing,
+                                     chat_template=chat_template, tools=tools, param="messages",
+                                     continue_final_message=final and continuing)
+
+    try:
+        ids = ids_of(turns, True)
+    except PromptError:
+        if not any(t["role"] == "system" for t in turns[1:]):
+            raise
+        fold = True  # this template refuses system turns past the first: fold them in place
+        ids = ids_of(turns, True)
+    breakpoints = _breakpoints(body, ids, ids_of) if with_breakpoints else []
+    return RenderedMessages(ids, plan, breakpoints)
+
+
+def _breakpoints(body: MessagesBase, ids: list[int], ids_of: Any) -> list[Breakpoint]:
+    """Each cache_control mark as a token position: the prompt rendered up to the marked block, and
+    the length it shares with the whole prompt (the template decides where a block's tokens end)."""
+    marks: list[tuple[tuple[int, int] | None, float]] = []
+    head = [t.cache_control for t in body.tools or [] if t.cache_control is not None]
+    if isinstance(body.system, list):
+        head += [b.cache_control for b in body.system if b.cache_control is not None]
+    if head:
+        marks.append((None, max(c.seconds for c in head)))
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, list):
+            for j, b in enumerate(m.content):
+                control = getattr(b, "cache_control", None)
+                if control is not None:
+                    marks.append(((i, j), control.seconds))
+    out = []
+    for upto, ttl in marks:
+        if upto is None:
+            conv = [{"role": "system", "content": system_text(body.system)}] if system_text(body.system) else []
+            if not conv:
+                continue
+        else:
+            conv, _ = conversation(body, upto)
+        try:
+            prefix = ids_of(conv, False)
+        except PromptError:
+            continue  # a partial conversation this template cannot render: no lease, never an error
+        out.append(Breakpoint(_common_prefix(prefix, ids), ttl))
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n

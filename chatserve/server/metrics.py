@@ -77,15 +77,32 @@ class _EngineCollector(Collector):
         for reason, count in sorted((s.get("prefix_cache_miss_reasons") or {}).items()):
             misses.add_metric(values + [reason], count)
         yield misses
-        yield gauge("kv_cache_leased_blocks", "Cached KV blocks on a session branch a live lease protects.",
+        yield gauge("kv_cache_leased_blocks",
+                    "Cached KV blocks on a branch a live lease protects (a session's or a prompt prefix's).",
                     s.get("num_leased_blocks", 0))
-        yield counter("prefix_cache_lease_hits", "Requests whose cache hit ended on a leased session branch.",
+        yield counter("prefix_cache_lease_hits", "Requests whose cache hit ended on a leased branch.",
                       s.get("prefix_cache_lease_hits", 0))
         yield counter("prefix_cache_lease_hit_tokens", "Prompt tokens served by hits that ended on a leased branch.",
                       s.get("prefix_cache_lease_hit_tokens", 0))
         yield counter("prefix_cache_leased_evicted_blocks",
                       "Leased blocks evicted because nothing unleased was left (leases are soft).",
                       s.get("prefix_cache_leased_evicted_blocks", 0))
+        yield gauge("kv_cache_prefix_leased_blocks",
+                    "Cached KV blocks prompt-prefix leases protect (cache_control, prompt_cache_key); capped.",
+                    s.get("num_prefix_leased_blocks", 0))
+        yield gauge("kv_cache_prefix_leases", "Live prompt-prefix leases.", s.get("num_prefix_leases", 0))
+        yield gauge("kv_cache_max_prefix_leased_blocks", "The cap on blocks prompt-prefix leases protect.",
+                    s.get("max_prefix_leased_blocks", 0))
+        yield counter("prefix_cache_prefix_leases_set", "Prompt-prefix leases set (or extended) by finished requests.",
+                      s.get("prefix_cache_prefix_leases_set", 0))
+        yield counter("prefix_cache_prefix_lease_renewals", "Prompt-prefix leases renewed by a cache hit on them.",
+                      s.get("prefix_cache_prefix_lease_renewals", 0))
+        yield counter("prefix_cache_prefix_leases_dropped",
+                      "Prompt-prefix leases dropped, least recently renewed first, to stay within the cap.",
+                      s.get("prefix_cache_prefix_leases_dropped", 0))
+        yield counter("prefix_cache_prefix_leased_dropped_blocks",
+                      "Blocks that stopped being leased when prompt-prefix leases were dropped for the cap.",
+                      s.get("prefix_cache_prefix_leased_dropped_blocks", 0))
         offload = s.get("kv_offload")
         if offload:
             yield from _offload_metrics(offload, labels, values)

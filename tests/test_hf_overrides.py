@@ -23,7 +23,8 @@ def test_the_option_is_a_json_object_without_shape_keys():
     assert parse_hf_overrides(None) is parse_hf_overrides("") is parse_hf_overrides("{}") is None
     given = {"rope_scaling": SMOL_YARN, "text_config": {"sliding_window": 512}}
     assert parse_hf_overrides(json.dumps(given)) == parse_hf_overrides(given) == given
-    for bad, says in (("[1]", "JSON object"), ("{nope", "JSON object"), (3, "JSON object")):
+    for bad, says in (("[1]", "JSON object"), ("{nope", "JSON object"), (3, "JSON object"),
+                      ({"rope_scaling": "yarn"}, r"hf_overrides\.rope_scaling must be a JSON object or null")):
         with pytest.raises(ValueError, match=says):
             parse_hf_overrides(bad)
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",

@@ -53,6 +53,9 @@ def parse_hf_overrides(value: str | Mapping[str, Any] | None) -> dict[str, Any] 
     if not isinstance(value, Mapping):
         raise ValueError(f"hf_overrides must be a JSON object; got {type(value).__name__}")
     _refuse_shape_keys(value, "hf_overrides")
+    for key in ROPE_KEYS:
+        if value.get(key) is not None and not isinstance(value[key], Mapping):
+            raise ValueError(f"hf_overrides.{key} must be a JSON object or null; got {type(value[key]).__name__}")
     return copy.deepcopy(dict(value)) or None
 
 
@@ -99,8 +102,7 @@ def _apply_rope(config: dict[str, Any], key: str, value: Any) -> None:
     value = dict(value)
     nested = bool(value) and all(isinstance(v, Mapping) for v in value.values())
     if nested:  # per layer type (Gemma 3: sliding_attention / full_attention)
-        value = {layer: _with_model_facts(dict(params), current.get(layer) if isinstance(current.get(layer), dict) else {})
-                 for layer, params in value.items()}
+        value = {layer: _with_model_facts(dict(params), _dict_or_empty(current.get(layer))) for layer, params in value.items()}
     else:
         value = _with_model_facts(value, current)
     # transformers 5's spelling where the config has it (the scaling lives there, beside the theta), else
@@ -110,6 +112,10 @@ def _apply_rope(config: dict[str, Any], key: str, value: Any) -> None:
     for name in ROPE_KEYS:
         config.pop(name, None)
     config[target] = value
+
+
+def _dict_or_empty(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _with_model_facts(params: dict[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:

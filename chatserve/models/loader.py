@@ -24,6 +24,7 @@ import torch
 from chatserve.models.config import ModelConfig
 from chatserve.models.gguf_moe import gguf_moe_metadata
 from chatserve.models.hf_overrides import apply_hf_overrides
+from chatserve.models.hf_overrides import describe as describe_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ def load_hf_config(source: ModelSource, hf_overrides: Mapping[str, Any] | None =
     models/hf_overrides.py) are applied to its dict before the config class is built from it."""
     from transformers import AutoConfig
 
+    if hf_overrides:
+        logger.info("hf_overrides applied to %s's config: %s", source.name, describe_overrides(hf_overrides))
     folder = gguf_metadata_folder(source) if source.is_gguf else None
     if folder is not None:
         return saved_metadata_config(folder, hf_overrides)

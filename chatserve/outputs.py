@@ -64,7 +64,7 @@ class RequestStats:
     # "none" (a full hit), "new", "evicted" or "diverged" (at token cache_diverged_at).
     cache_miss_reason: str = "new"
     cache_diverged_at: int | None = None
-    cache_lease_hit: bool = False  # the hit ended on a session's leased branch
+    cache_lease_hit: bool = False  # the hit ended on a leased branch (a session's, or a leased prompt prefix)
     session_history_tokens: int | None = None  # a session turn: how many prompt tokens are its stored history
     # a session turn after its first: did the cache hold the stored history (every whole block of it that
     # was computed: the last token never is, it was sampled last)? None otherwise

@@ -48,7 +48,7 @@ def check_cache_salt(salt: object) -> str | None:
 
 
 def check_cache_leases(leases: Iterable[CacheLease | tuple[int, float]] | None) -> tuple[CacheLease, ...]:
-    """Leases as ``CacheLease``s (a ``(position, ttl_s)`` pair is taken too), checked: at most
+    """Leases as ``CacheLease``s (a ``(position, ttl_s)`` pair, tuple or list, is taken too), checked: at most
     ``MAX_CACHE_LEASES``, positions ints >= 0, TTLs finite and > 0. Raises ValueError naming the rule."""
     if leases is None:
         return ()
@@ -67,6 +67,6 @@ def check_cache_leases(leases: Iterable[CacheLease | tuple[int, float]] | None) 
 
 
 def _from_pair(item: object) -> CacheLease:
-    if not isinstance(item, tuple) or len(item) != 2:
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise ValueError(f"a cache lease is a CacheLease or a (position, ttl_s) pair, got {item!r}")
     return CacheLease(item[0], item[1])

@@ -253,6 +253,12 @@ class EngineArgs:
     kv_offload_queue_mb: float = field(default=256.0, metadata={
         "help": "bound of the tiers' write queue in MiB: past it, writes are dropped and counted, so a slow disk "
                 "or Redis never stalls a step"})
+    kv_offload_secret: str | None = field(default=None, repr=False, metadata={
+        "help": "a secret (16+ characters) shared by every replica of the KV tiers: each entry carries a MAC keyed by "
+                "it (entries written without it, or with another, are misses) and block names are keyed by it (no "
+                "probing for a guessed prefix); token ids stay in clear. Prefer $CHATSERVE_KV_OFFLOAD_SECRET to the "
+                "flag (a command line is visible to other users) (default: none)",
+        "secret": True})
     max_prefix_leased_blocks: int | None = field(default=None, metadata={
         "help": "most KV blocks that prompt-prefix leases (Anthropic cache_control breakpoints, OpenAI "
                 "prompt_cache_key) protect at once; past it the least recently renewed lease is dropped and counted. "
@@ -302,6 +308,10 @@ class EngineArgs:
         url = self.kv_offload_redis_url
         if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"kv_offload_redis_url must be redis://HOST:PORT/DB, rediss://... or unix://PATH; got {url!r}")
+        secret = self.kv_offload_secret
+        if secret is not None and (not isinstance(secret, str) or len(secret.strip()) < 16):
+            raise ValueError("kv_offload_secret must be a string of at least 16 characters (e.g. `openssl rand -hex 32`); "
+                             "got " + (f"{len(secret)} characters" if isinstance(secret, str) else type(secret).__name__))
         if (self.kv_offload_dir or url) and not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir / kv_offload_redis_url keep blocks below the radix tree, which needs "
                              "enable_prefix_caching; turn it on or drop the offload tiers")

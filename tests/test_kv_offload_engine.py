@@ -401,3 +401,164 @@ def test_tier_flags_are_checked() -> None:
         EngineArgs(kv_offload_redis_url="localhost:6379")
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineArgs(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
+
+
+# ---- issue 51: entries of another rope, other kernel sources or without the secret are refused ------
+
+SECRET = "0123456789abcdef-kv-offload-secret"
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory, smollm_tokenizer):
+    """Phi-3 with long-rope past 64 positions (tests/helpers/tiny_families.py)."""
+    from .helpers.tiny_families import write_family_checkpoint
+
+    return write_family_checkpoint(tmp_path_factory.mktemp("phi3-longrope"), "phi3", smollm_tokenizer)
+
+
+def _plant(src, dst, ids: list[int], n: int) -> None:
+    """Copy the disk entries of blocks 0..n-1 of `ids` that tiering `src` stored to the names tiering
+    `dst` looks them up by: what a replica of another configuration (or a forger who learnt the
+    names) leaves where this one reads."""
+    for ks, kd in zip(src.keys_of(ids[:-1], n), dst.keys_of(ids[:-1], n)):
+        a = src.store.tiers[0].path_of(src.store.name_of(ks))
+        b = dst.store.tiers[0].path_of(dst.store.name_of(kd))
+        assert a != b, "the two configurations name the block alike"
+        os.makedirs(os.path.dirname(b), exist_ok=True)
+        with open(a, "rb") as fa, open(b, "wb") as fb:
+            fb.write(fa.read())
+
+
+def test_a_phi3_long_rope_entry_written_at_one_max_model_len_is_refused_at_another(phi3, tmp_path, engines) -> None:
+    """Long-rope's factors are chosen by max_model_len (long ones past original_max_position_embeddings,
+    64 here): a block written at 128 holds keys rotated by other frequencies than at 64, so it must be a
+    miss there (its name differs, and planted under this engine's name it is refused as foreign)."""
+    ids = _prompt(11, 50)
+    n = _full_blocks(ids) // BS
+    long = _make(engines, phi3, max_model_len=128, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through")
+    _run(long, ids)
+    long.engine.close()
+    _, want = _run(_make(engines, phi3, max_model_len=64), ids)  # a cold run at 64 (the short factors)
+    short = _make(engines, phi3, max_model_len=64, kv_offload_dir=str(tmp_path))
+    out, got = _run(short, ids)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "absent" and got == want
+    lt, st = long.engine.kv_tiering, short.engine.kv_tiering
+    assert (lt.fingerprint.rope_max_positions, st.fingerprint.rope_max_positions) == (128, 64)
+    assert lt.fp != st.fp
+    _plant(lt, st, ids, n)
+    assert short.engine.reset_prefix_cache()
+    out, got = _run(short, ids)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "invalid:foreign"
+    assert got == want, "recomputed with the short factors, never the long ones' blocks"
+
+
+def test_an_entry_written_by_other_kernel_sources_is_refused(tiny, tmp_path, engines, cold, monkeypatch) -> None:
+    """An upgrade that changes a kernel (its rounding, the paged layout) is another fingerprint: old
+    replicas' entries in a shared tier are misses for the new code, however they are named."""
+    from chatserve.kv_offload import fingerprint
+
+    from .helpers.kv_code import edited_kv_code
+
+    ids = _prompt(12)
+    old = _written_and_closed(engines, tiny, tmp_path / "kv", ids)
+    # (raising=False: on code without the attribute the test fails below, by loading the old entries)
+    monkeypatch.setattr(fingerprint, "PACKAGE_ROOT", str(edited_kv_code(tmp_path / "upgraded")), raising=False)
+    new = _make(engines, tiny, kv_offload_dir=str(tmp_path / "kv"))
+    out, got = _run(new, ids)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "absent" and got == cold(12)
+    ot, nt = old.engine.kv_tiering, new.engine.kv_tiering
+    assert ot.fingerprint.code_hash != nt.fingerprint.code_hash and ot.fp != nt.fp
+    _plant(ot, nt, ids, _full_blocks(ids) // BS)
+    assert new.engine.reset_prefix_cache()
+    out, got = _run(new, ids)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "invalid:foreign"
+    assert got == cold(12)
+    assert new.engine.stats()["kv_offload"]["tiers"]["disk"]["invalid_entries"]["foreign"] == 1
+
+
+def test_under_a_secret_forged_entries_are_refused_and_its_own_are_served(tiny, tmp_path, engines, cold) -> None:
+    """With --kv-offload-secret, entries written without it or with another secret are misses (never
+    errors, never their tokens), even planted under the names this engine reads; its own entries load."""
+    from chatserve.kv_offload import TierSecret, encode_entry
+
+    ids = _prompt(13)
+    n = _full_blocks(ids) // BS
+    plain = _written_and_closed(engines, tiny, tmp_path, ids)  # an engine without the secret
+    keyed = _make(engines, tiny, kv_offload_dir=str(tmp_path), kv_offload_policy="write_through",
+                  kv_offload_secret=SECRET)
+    pt, kt = plain.engine.kv_tiering, keyed.engine.kv_tiering
+    assert kt.fp == pt.fp, "the same model: only the names and the MACs differ"
+    out, got = _run(keyed, ids)  # (written through under its own names as it goes)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "absent", "other names"
+    assert got == cold(13)
+
+    def reread() -> tuple:
+        kt.store.flush()
+        assert keyed.engine.reset_prefix_cache()
+        return _run(keyed, ids)
+
+    out, got = reread()  # its own entries: their MACs verify
+    assert out.stats.num_disk_cached_tokens == n * BS and out.stats.kv_tier_stop == "complete" and got == cold(13)
+
+    _plant(pt, kt, ids, n)  # written without the secret, under our names
+    out, got = reread()
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "invalid:foreign" and got == cold(13)
+    other = TierSecret.from_secret("another-secret-of-some-length")
+    disk, keys = kt.store.tiers[0], kt.keys_of(ids[:-1], n)
+    for i, key in enumerate(keys):  # written with another secret, under our names
+        path = disk.path_of(kt.store.name_of(key))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(encode_entry(other.stored_key(key), kt.fp, ids[i * BS : (i + 1) * BS], b"\0" * kt.store.payload_bytes,
+                                 other.mac_key))
+    out, got = reread()
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "invalid:corrupt" and got == cold(13)
+    invalid = keyed.engine.stats()["kv_offload"]["tiers"]["disk"]["invalid_entries"]
+    assert (invalid["foreign"], invalid["corrupt"]) == (1, 1)
+
+
+def test_the_secret_comes_from_the_environment_and_is_never_shown(capsys) -> None:
+    from chatserve.cli import build_parser, options_from_args, parse_args
+    from chatserve.config import EngineArgs
+
+    env = {"CHATSERVE_KV_OFFLOAD_SECRET": SECRET}
+    args = options_from_args(EngineArgs, parse_args(["serve"], environ=env))
+    assert args.kv_offload_secret == SECRET and SECRET not in repr(args)
+    with pytest.raises(SystemExit):
+        build_parser(env).parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--kv-offload-secret" in help_text and SECRET not in help_text and "CHATSERVE_KV_OFFLOAD_SECRET" in help_text
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        EngineArgs(kv_offload_dir="/tmp/x", kv_offload_secret="short")
+
+
+def test_the_rope_fields_follow_the_resolved_rope_and_max_model_len_only_where_it_matters() -> None:
+    """Default rope: one table whatever max_model_len (blocks shared across lengths); long-rope and
+    dynamic NTK: per length; a changed theta or scaling: another table."""
+    import transformers
+
+    from chatserve.models.llama import resolved_rope
+
+    from .helpers.tiny_families import hf_config
+
+    def llama(**kw):
+        return transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=128, **kw)
+
+    plain = resolved_rope(llama(rope_theta=10_000.0), 32, 256)
+    assert plain == resolved_rope(llama(rope_theta=10_000.0), 32, 4096) and plain["max_positions"] is None
+    assert plain["parameters"]["rope_theta"] == 10_000.0
+    assert resolved_rope(llama(rope_theta=500_000.0), 32, 256) != plain
+    linear = resolved_rope(llama(rope_scaling={"rope_type": "linear", "factor": 8.0}), 32, 256)
+    assert linear["parameters"]["factor"] == 8.0 and linear["inv_freq_sha256"] != plain["inv_freq_sha256"]
+    dynamic = llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert resolved_rope(dynamic, 32, 512)["max_positions"] == 512
+    assert resolved_rope(dynamic, 32, 512) != resolved_rope(dynamic, 32, 1024)
+    phi3 = hf_config("phi3", 256, 1, 2)  # long-rope past 64 positions
+    short, long = resolved_rope(phi3, 32, 64), resolved_rope(phi3, 32, 128)
+    assert (short["max_positions"], long["max_positions"]) == (64, 128)
+    assert short["inv_freq_sha256"] != long["inv_freq_sha256"], "the short factors, then the long ones"
+    gemma3 = hf_config("gemma3", 256, 1, 2)
+    local = resolved_rope(gemma3, 32, 256, "sliding_attention")
+    global_ = resolved_rope(gemma3, 32, 256, "full_attention")
+    assert (local["parameters"]["rope_theta"], global_["parameters"]["rope_theta"]) == (10_000.0, 1_000_000.0)
+    assert global_["parameters"]["rope_type"] == "linear"

@@ -11,15 +11,19 @@ import pytest
 import redis
 
 from chatserve.kv_offload import (
+    FORMAT_VERSION,
     DecodeError,
     DiskTier,
     KVFingerprint,
     KVOffloadStore,
     RedisTier,
+    TierSecret,
     WriteJob,
     block_keys,
     decode_entry,
     encode_entry,
+    kv_code_hash,
+    library_versions,
 )
 from chatserve.kv_offload.tier import Tier
 
@@ -278,3 +282,101 @@ def test_redis_down_is_a_miss_and_a_dropped_write() -> None:
     run = store.load_run(block_keys(tokens, BS, 2, FP), _block_tokens(tokens, 2))
     assert run.payloads == [] and run.stop == "unavailable"
     store.close()
+
+
+# ---- issue 51: what the fingerprint covers, one format version, the secret -----------------------
+
+
+def test_fingerprint_covers_rope_code_libraries_kv_dtype_and_salt() -> None:
+    base = dict(model_hash="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
+                kv_layout="cpu", kernels="avx512_bf16", device_type="cpu")
+    fp = KVFingerprint(**base)
+    assert fp.code_hash == kv_code_hash() and fp.libraries == library_versions(), "filled for the running process"
+    assert (fp.rope, fp.rope_max_positions, fp.kv_dtype, fp.salt_domain, fp.format_version) == ("", 0, "", "", FORMAT_VERSION)
+    for field, other in [("rope", '{"rotary":{}}'), ("rope_max_positions", 4096), ("code_hash", "0" * 64),
+                         ("libraries", "torch=0"), ("kv_dtype", "fp8_e4m3"), ("salt_domain", "tenant-a"),
+                         ("format_version", FORMAT_VERSION - 1)]:
+        assert KVFingerprint(**base, **{field: other}).digest != fp.digest, field
+    tables = {"rotary": {"parameters": {"rope_type": "longrope"}, "max_positions": 128, "inv_freq_sha256": "ab"}}
+    roped = fp.with_rope(tables)
+    assert roped.rope_max_positions == 128 and roped.digest != fp.digest
+    assert fp.with_rope({"rotary": {**tables["rotary"], "max_positions": 64}}).digest != roped.digest
+
+
+def test_the_format_version_is_one_number_in_every_entry() -> None:
+    import struct
+
+    entry = encode_entry(b"k" * 16, FP, list(range(BS)), b"x" * PAYLOAD)
+    assert struct.unpack_from("<4sH", entry)[1] == FORMAT_VERSION
+    old = bytearray(entry)
+    struct.pack_into("<H", old, 4, FORMAT_VERSION - 1)
+    with pytest.raises(DecodeError, match="foreign"):
+        decode_entry(bytes(old), key=b"k" * 16, fingerprint=FP)
+
+
+def test_the_code_hash_changes_with_one_byte_of_a_kernel_source(tmp_path) -> None:
+    from .helpers.kv_code import copy_kv_code, edited_kv_code
+
+    assert kv_code_hash(str(copy_kv_code(tmp_path / "same"))) == kv_code_hash(), "the same sources, the same hash"
+    assert kv_code_hash(str(edited_kv_code(tmp_path / "edited"))) != kv_code_hash()
+
+
+def test_library_versions_are_read_without_importing_the_libraries() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from chatserve.kv_offload.fingerprint import library_versions as v; s = v(); "
+            "assert 'torch=' in s and 'transformers=' in s, s; "
+            "assert not {'torch', 'transformers', 'gguf'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_secret_keys_the_mac_and_every_other_entry_is_refused() -> None:
+    tokens = list(range(BS))
+    key = block_keys(tokens, BS, 1, FP)[0]
+    s1, s2 = TierSecret.from_secret("s" * 32), TierSecret.from_secret("t" * 32)
+    assert TierSecret.from_secret(None) is None and TierSecret.from_secret("") is None
+    assert "s" * 32 not in repr(s1) and s1.mac_key not in repr(s1).encode()
+    mine = encode_entry(key, FP, tokens, b"\xab" * PAYLOAD, s1.mac_key)
+    assert bytes(decode_entry(mine, key=key, fingerprint=FP, token_ids=tokens, mac_key=s1.mac_key)) == b"\xab" * PAYLOAD
+    refused = {
+        "written without the secret": (encode_entry(key, FP, tokens, b"\xab" * PAYLOAD), s1.mac_key, "foreign"),
+        "written with another secret": (encode_entry(key, FP, tokens, b"\xab" * PAYLOAD, s2.mac_key), s1.mac_key, "corrupt"),
+        "a reader without the secret": (mine, None, "foreign"),
+        "one payload byte forged": (mine[:-40] + bytes([mine[-40] ^ 1]) + mine[-39:], s1.mac_key, "corrupt"),
+        "the MAC cut off": (mine[:-24], s1.mac_key, "truncated"),
+    }
+    for what, (data, mac_key, reason) in refused.items():
+        with pytest.raises(DecodeError) as info:
+            decode_entry(data, key=key, fingerprint=FP, token_ids=tokens, mac_key=mac_key)
+        assert info.value.reason == reason, what
+
+
+def test_under_a_secret_names_cannot_be_guessed_and_forged_entries_are_misses(tmp_path) -> None:
+    tokens = _tokens(3)
+    secret = TierSecret.from_secret("a-kv-offload-secret-of-32-chars!")
+    plain = KVOffloadStore([DiskTier(tmp_path, 1 << 20)], FP, PAYLOAD)
+    keyed = KVOffloadStore([DiskTier(tmp_path, 1 << 20)], FP, PAYLOAD, secret=secret)
+    other = KVOffloadStore([DiskTier(tmp_path, 1 << 20)], FP, PAYLOAD, secret=TierSecret.from_secret("b" * 32))
+    keys = block_keys(tokens, BS, 3, FP)
+    names = [keyed.name_of(k) for k in keys]
+    assert not {k.hex() for k in keys} & {n.split("/")[1] for n in names}, "a chain key (computable from a guess) is no name"
+    assert not set(names) & {other.name_of(k) for k in keys}, "another secret, other names"
+    # entries written without the secret and with another one, planted under the keyed names
+    disk = keyed.tiers[0]
+    for store in (plain, other):
+        for i, job in enumerate(_jobs(store, tokens, 3)):
+            os.makedirs(os.path.dirname(disk.path_of(names[i])), exist_ok=True)
+            with open(disk.path_of(names[i]), "wb") as f:
+                f.write(encode_entry(store.stored_key(job.key), FP, job.token_ids, job.payload, store._mac_key))
+        run = keyed.load_run(keys, _block_tokens(tokens, 3))
+        assert run.payloads == [] and run.stop.startswith("invalid:"), run.stop
+    assert keyed.stats["disk"].invalid["foreign"] == 1 and keyed.stats["disk"].invalid["corrupt"] == 1
+    for name in names:  # (a reader deletes the first invalid entry of a run; the tier keeps what it holds)
+        disk.delete(name)
+    assert keyed.submit(_jobs(keyed, tokens, 3)) == 3 and keyed.flush()
+    run = keyed.load_run(keys, _block_tokens(tokens, 3))
+    assert run.stop == "complete" and [bytes(p) for p in run.payloads] == [bytes([i]) * PAYLOAD for i in range(3)]
+    assert plain.load_run(keys, _block_tokens(tokens, 3)).stop == "absent", "the keyed entries are not under plain names"
+    for store in (plain, keyed, other):
+        store.close()

@@ -35,7 +35,16 @@ from chatserve.cache.kv_events import event_hashes
 from chatserve.config import EngineArgs
 from chatserve.core.block_manager import BlockManager
 from chatserve.core.sequence import Sequence as Seq
-from chatserve.kv_offload import DiskTier, KVFingerprint, KVOffloadStore, LoadedRun, RedisTier, WriteJob, block_keys
+from chatserve.kv_offload import (
+    DiskTier,
+    KVFingerprint,
+    KVOffloadStore,
+    LoadedRun,
+    RedisTier,
+    TierSecret,
+    WriteJob,
+    block_keys,
+)
 from chatserve.kv_offload.tier import Tier
 
 __all__ = ["KVTiering", "KVLookup"]
@@ -60,6 +69,9 @@ class KVTiering:
     def __init__(self, args: EngineArgs, fingerprint: KVFingerprint, payload_bytes: int, runner: Any) -> None:
         self.block_size = args.block_size
         self.policy = args.kv_offload_policy
+        # the model's rotary tables as resolved (theta, scaling, and max_model_len where they depend on it,
+        # as Phi-3's long-rope factors do): a block's keys are rotated by them, so they are in the fingerprint
+        fingerprint = fingerprint.with_rope(runner.model.rope_identity())
         self.fingerprint = fingerprint
         self.fp = fingerprint.digest
         self.runner = runner  # read_kv_blocks / write_kv_blocks (worker/kv_transfer.py)
@@ -69,7 +81,10 @@ class KVTiering:
         if args.kv_offload_redis_url:
             tiers.append(RedisTier(args.kv_offload_redis_url, prefix=args.kv_offload_redis_prefix,
                                    ttl_s=args.kv_offload_redis_ttl_s, max_bytes=int(args.kv_offload_redis_max_gb * _GB)))
-        self.store = KVOffloadStore(tiers, self.fp, payload_bytes, max_queue_bytes=int(args.kv_offload_queue_mb * (1 << 20)))
+        # --kv-offload-secret: entries carry a MAC and are stored under keyed names (kv_offload/keys.py)
+        secret = TierSecret.from_secret(args.kv_offload_secret)
+        self.store = KVOffloadStore(tiers, self.fp, payload_bytes, max_queue_bytes=int(args.kv_offload_queue_mb * (1 << 20)),
+                                    secret=secret)
         self._loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload-load")
         self.block_manager: BlockManager | None = None  # set by the engine once built
         # NOTE: True only when someone drains stored_events() (the engine's KV event log is on): otherwise
@@ -80,8 +95,9 @@ class KVTiering:
         self.num_lost_loads = 0  # lookups whose blocks the tree could not take (prefix evicted meanwhile, no room)
         self.load_seconds = 0.0
         self._closed = False
-        logger.info("KV tiers below the radix tree: %s (%s, fingerprint %s)", ", ".join(t.name for t in tiers),
-                    self.policy, fingerprint.hex[:16])
+        logger.info("KV tiers below the radix tree: %s (%s, fingerprint %s, %s)", ", ".join(t.name for t in tiers),
+                    self.policy, fingerprint.hex[:16],
+                    "entries authenticated with the KV offload secret" if secret else "no KV offload secret: entries unauthenticated")
 
     def chain_seed(self, salt: str | None) -> bytes:
         """Where a prefix's key chain starts: the fingerprint, or for a salted request a digest of

@@ -5,9 +5,12 @@ package keeps full KV blocks beyond it, so a restart, a deploy or a second repli
 model starts warm:
 
 * ``fingerprint.py``: what changes a block's bytes (model files, dtype, KV layout, block size, kernel
-  tier), folded into one digest that is part of every key and every entry;
-* ``keys.py``: a block's name, a cryptographic chain hash of its whole token prefix;
-* ``codec.py``: one entry = header + payload + checksum; what does not decode is a counted miss;
+  tier, resolved rope, the kernel and KV code's sources, library versions), folded into one digest
+  that is part of every key and every entry; the format's one version number;
+* ``keys.py``: a block's name, a cryptographic chain hash of its whole token prefix (keyed under
+  ``--kv-offload-secret``: ``TierSecret``);
+* ``codec.py``: one entry = header + payload + checksum (a MAC under a secret); what does not decode
+  is a counted miss;
 * ``disk_tier.py`` / ``redis_tier.py``: the two backends (LRU-bounded directory; TTL- and size-bounded
   Redis keys shared by replicas);
 * ``store.py``: the tiers together, a bounded writer thread (drop and count, never stall the step
@@ -21,12 +24,13 @@ from __future__ import annotations
 
 from .codec import DecodeError, decode_entry, encode_entry
 from .disk_tier import DiskTier
-from .fingerprint import KVFingerprint, hash_model_files
-from .keys import block_keys
+from .fingerprint import FORMAT_VERSION, KVFingerprint, hash_model_files, kv_code_hash, library_versions
+from .keys import TierSecret, block_keys
 from .redis_tier import RedisTier
 from .store import KVOffloadStore, LoadedRun, TierStats, WriteJob
 
 __all__ = [
-    "DecodeError", "decode_entry", "encode_entry", "DiskTier", "RedisTier", "KVFingerprint", "hash_model_files",
-    "block_keys", "KVOffloadStore", "LoadedRun", "TierStats", "WriteJob",
+    "DecodeError", "decode_entry", "encode_entry", "DiskTier", "RedisTier", "FORMAT_VERSION", "KVFingerprint",
+    "hash_model_files", "kv_code_hash", "library_versions", "TierSecret", "block_keys", "KVOffloadStore", "LoadedRun",
+    "TierStats", "WriteJob",
 ]

@@ -6,6 +6,11 @@ costs one wrong "evicted" label. A store that outlives the process and is shared
 must never hand out another prefix's KV, so its keys chain blake2b-128 over the token bytes
 (``k[i] = blake2b(k[i-1] || tokens of block i)``), and each entry also carries its block's own
 token ids, checked on read.
+
+Under ``--kv-offload-secret`` (``TierSecret``) an entry is stored under ``stored_key(key)``, a keyed
+BLAKE2b of its chain key: whoever can read or list the tier but lacks the secret can neither compute
+the name a guessed prefix would have (no probing for someone's prompt) nor link one stored block to
+the next (the chain keys are never stored). The secret also keys each entry's MAC (codec.py).
 """
 
 from __future__ import annotations
@@ -13,8 +18,33 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["block_keys", "token_bytes"]
+__all__ = ["TierSecret", "block_keys", "token_bytes"]
+
+
+@dataclass(frozen=True)
+class TierSecret:
+    """Two keys derived from the KV offload secret: one for entries' MACs, one for their names.
+    Never printed (``repr`` shows neither), never stored, never part of the fingerprint."""
+
+    mac_key: bytes = field(repr=False)
+    name_key: bytes = field(repr=False)
+
+    @classmethod
+    def from_secret(cls, secret: str | bytes | None) -> TierSecret | None:
+        """None for no secret (or an empty one); else the keys, derived with keyed BLAKE2b from a
+        BLAKE2b-512 of the secret (a secret of any length, each key for one use only)."""
+        if not secret:
+            return None
+        raw = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
+        root = hashlib.blake2b(raw, digest_size=64, person=b"chatserve-kv-sec").digest()
+        return cls(hashlib.blake2b(b"entry mac", key=root, digest_size=32).digest(),
+                   hashlib.blake2b(b"block names", key=root, digest_size=32).digest())
+
+    def stored_key(self, key: bytes) -> bytes:
+        """The 16-byte key a block is stored (named, and headed) under."""
+        return hashlib.blake2b(key, key=self.name_key, digest_size=16).digest()
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:

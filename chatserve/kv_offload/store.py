@@ -10,6 +10,10 @@ Reads: ``load_run`` walks the blocks in order, asking the tiers in order (disk, 
 longest run each has from where the previous one stopped, and stops where none has the next
 block. Each entry is decoded and checked (``codec.py``); one that fails is deleted from its tier,
 counted by reason, and treated as absent. Called from the engine's loader thread.
+
+Under a secret (``TierSecret``, from ``--kv-offload-secret``) every block is stored under a keyed
+name (``TierSecret.stored_key``) with a MAC instead of a checksum; an entry without it, or with
+another secret's, is refused as any invalid entry is (a counted miss).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .codec import DECODE_FAILURES, DecodeError, decode_entry, encode_entry
+from .keys import TierSecret
 from .tier import Tier
 
 __all__ = ["KVOffloadStore", "LoadedRun", "TierStats", "WriteJob", "StoredBlock"]
@@ -89,13 +94,15 @@ class LoadedRun:
 class KVOffloadStore:
     def __init__(
         self, tiers: Sequence[Tier], fingerprint: bytes, payload_bytes: int, *, max_queue_bytes: int = 256 << 20,
-        batch_blocks: int = 32, known_ttl_s: float = 600.0,
+        batch_blocks: int = 32, known_ttl_s: float = 600.0, secret: TierSecret | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a KV offload store needs at least one tier (a disk directory or a Redis URL)")
         self.tiers = list(tiers)
         self.fingerprint = fingerprint
         self.fp_hex = fingerprint.hex()
+        self.secret = secret
+        self._mac_key = secret.mac_key if secret is not None else None
         self.payload_bytes = payload_bytes
         self.max_queue_bytes = max_queue_bytes
         self.batch_blocks = batch_blocks
@@ -115,8 +122,12 @@ class KVOffloadStore:
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._writer.start()
 
+    def stored_key(self, key: bytes) -> bytes:
+        """The key a block is named and headed under: its chain key, or under a secret a keyed hash of it."""
+        return key if self.secret is None else self.secret.stored_key(key)
+
     def name_of(self, key: bytes) -> str:
-        return f"{self.fp_hex}/{key.hex()}"
+        return f"{self.fp_hex}/{self.stored_key(key).hex()}"
 
     # ---- writes (any thread -> the writer thread) ----------------------------------------------
 
@@ -189,7 +200,8 @@ class KVOffloadStore:
                     self._cv.notify_all()
 
     def _write(self, batch: list[WriteJob]) -> None:
-        items = [(j.name, encode_entry(j.key, self.fingerprint, j.token_ids, j.payload)) for j in batch]
+        items = [(j.name, encode_entry(self.stored_key(j.key), self.fingerprint, j.token_ids, j.payload, self._mac_key))
+                 for j in batch]
         for tier in self.tiers:
             t0 = time.perf_counter()
             written = tier.put_many(items)
@@ -258,8 +270,9 @@ class KVOffloadStore:
                 for data in raw:
                     i = pos + got
                     try:
-                        view = decode_entry(data, key=keys[i], fingerprint=self.fingerprint, token_ids=block_tokens[i],
-                                            payload_len=self.payload_bytes)
+                        view = decode_entry(data, key=self.stored_key(keys[i]), fingerprint=self.fingerprint,
+                                            token_ids=block_tokens[i], payload_len=self.payload_bytes,
+                                            mac_key=self._mac_key)
                     except DecodeError as exc:
                         st.invalid[exc.reason] += 1
                         tier.delete(names[i])

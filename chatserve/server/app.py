@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from chatserve.engine.async_engine import AsyncLLMEngine
-from chatserve.server import admin, kv_events, web
+from chatserve.server import admin, kv_events, models, web
 from chatserve.server.anthropic import routes as anthropic_routes
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.context import ServerContext
@@ -57,7 +57,7 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
                             sessions, ttl_seconds=settings.responses_ttl_s,
                             max_in_memory=settings.responses_max_in_memory))
 
-    routes: list[BaseRoute] = [*admin.routes(), *openai_routes.routes(), *token_routes.routes(), *kv_events.routes(),
+    routes: list[BaseRoute] = [*admin.routes(), *models.routes(), *openai_routes.routes(), *token_routes.routes(), *kv_events.routes(),
                                 *responses_routes.routes(), *anthropic_routes.routes()]
     if sessions is not None:
         routes.extend(session_routes.routes())

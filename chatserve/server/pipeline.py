@@ -27,6 +27,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.input_processor import ProcessedPrompt, PromptError
 from chatserve.server.chat.generation import Generation
@@ -84,6 +85,10 @@ class ServeSpec:
     """An explicit `max_tokens` that does not fit beside the prompt is a 400 (OpenAI's rule); False
     clamps it to the room left instead (Anthropic's clients ask for far more than any window)."""
     session: SessionKV | None = None
+    cache_salt: str | None = None
+    """Share cached KV only with requests of the same salt (vLLM's `cache_salt`), on every tier."""
+    cache_leases: list[CacheLease] = field(default_factory=list)
+    """Prefixes of the prompt to keep cached after the request (`cache_control`, `prompt_cache_key`)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What the adapter's `respond` needs from `prepare` (its own values; the pipeline never reads them)."""
 
@@ -104,7 +109,28 @@ async def start_generation(ctx: ServerContext, request_id: str, spec: ServeSpec,
         raise names.apply(APIError(400, str(exc), param=exc.param, code=exc.code)) from None
     except APIError as exc:
         raise names.apply(exc) from None
-    return Generation(ctx, request_id, prompts, params, session=spec.session)
+    salt, leases = _cache_options(spec)
+    return Generation(ctx, request_id, prompts, params, session=spec.session, cache_salt=salt, cache_leases=leases)
+
+
+RETENTION_S = {"in_memory": 300.0, "24h": 86400.0}
+"""How long `prompt_cache_key` leases a prompt's prefix, by `prompt_cache_retention` (in memory: Anthropic's 5 minutes)."""
+
+
+def _cache_options(spec: ServeSpec) -> tuple[str | None, list[CacheLease]]:
+    """The request's salt and leases: the adapter's, else the shared fields' (`cache_salt`, and
+    `prompt_cache_key`, which leases the whole prompt as one breakpoint at its end would)."""
+    fields = spec.fields
+    salt = spec.cache_salt if spec.cache_salt is not None else getattr(fields, "cache_salt", None)
+    leases = list(spec.cache_leases)
+    if not leases and getattr(fields, "prompt_cache_key", None):
+        retention = getattr(fields, "prompt_cache_retention", None) or "in_memory"
+        leases = [CacheLease(MAX_LEASE_POSITION, RETENTION_S[retention])]
+    return salt, leases
+
+
+MAX_LEASE_POSITION = 2**31 - 1
+"""A lease position past any prompt: the whole prompt."""
 
 
 def _process(ctx: ServerContext, prompt: Prompt, max_tokens: int | None, param: str) -> ProcessedPrompt:

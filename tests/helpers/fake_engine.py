@@ -79,6 +79,7 @@ class FakeEngine:
         self.checked_structured: list[Any] = []  # StructuredOutputsParams the server asked to compile
         self.structured_error: str | None = None  # set: check_structured_outputs raises ValueError(this)
         self.sessions_seen: list[Any] = []  # the SessionKV (or None) each generate() was given
+        self.cache_options_seen: list[tuple[Any, list[Any]]] = []  # (cache_salt, cache_leases) of each generate()
         self.released_leases: list[str] = []  # session ids the server asked to release
         self.block_size = block_size
         self.kv_events_config: Any = None  # a KVEventsConfig: what /kv_event_sources reports (None: events off)
@@ -176,6 +177,8 @@ class FakeEngine:
         request_id: str | None = None,
         *,
         session: Any = None,
+        cache_salt: str | None = None,
+        cache_leases: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Refuses at the call, like the real engine; the reply runs in a task of its own."""
         if self._dead is not None:
@@ -189,6 +192,7 @@ class FakeEngine:
         if session is not None:
             stats.session_history_tokens = session.history_tokens
         self.sessions_seen.append(session)
+        self.cache_options_seen.append((cache_salt, list(cache_leases or [])))
         req = FakeRequest(request_id, processed, params, RequestMetrics(request_id, stats))
         self.requests.append(req)
         self._live[request_id] = req

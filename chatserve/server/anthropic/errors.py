@@ -52,7 +52,7 @@ def error_event(status: int, message: str, request_id: str | None) -> dict[str, 
 def from_api_error(exc: APIError, request_id: str | None) -> JSONResponse:
     status = anthropic_status(exc)
     message = exc.message
-    if exc.param and exc.param not in message:
+    if exc.param and not message.startswith(exc.param):
         message = f"{exc.param}: {message}"
     headers = {**exc.headers, **({"request-id": request_id} if request_id else {})}
     return JSONResponse(error_body(status, message, request_id), status_code=status, headers=headers)

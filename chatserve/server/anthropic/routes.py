@@ -12,7 +12,6 @@ and the request's id (`msg_...`) is the one the cancel endpoint takes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from chatserve.core.cache_lease import CacheLease
 from chatserve.engine.async_engine import EngineDeadError
 from chatserve.server.anthropic.errors import anthropic_errors, error_event
 from chatserve.server.anthropic.events import AnthropicUsage, MessageBuilder, Ping, new_id, sse, stop_reason
@@ -57,7 +57,8 @@ def _message_id(request: Request) -> str:
 
 
 def _too_long(num_tokens: int, limit: int) -> APIError:
-    return bad_request(f"prompt is too long: {num_tokens} tokens > {limit - 1} maximum", param="messages")
+    # Anthropic's wording, which clients (Claude Code's auto-compaction) look for: no field prefix
+    return bad_request(f"prompt is too long: {num_tokens} tokens > {limit - 1} maximum", code="context_length_exceeded")
 
 
 class MessagesAdapter(ServingAdapter):
@@ -75,8 +76,10 @@ class MessagesAdapter(ServingAdapter):
         rendered = render(body, ctx.engine.input_processor, ctx.chat_template)
         if len(rendered.ids) >= ctx.max_model_len:
             raise _too_long(len(rendered.ids), ctx.max_model_len)
+        leases = [CacheLease(bp.position, bp.ttl_s) for bp in rendered.breakpoints]
         return ServeSpec([rendered.ids], _sampling_fields(body), body.max_tokens, None, tools=rendered.plan,
-                         refuse_overflow=False, extra={"breakpoints": rendered.breakpoints})
+                         refuse_overflow=False, cache_salt=body.cache_salt, cache_leases=leases,
+                         extra={"breakpoints": rendered.breakpoints})
 
     async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
         reply = MessageReply(ctx, gen, MessageBuilder(self.request_id, ctx.model_name, spec.tools),
@@ -203,13 +206,6 @@ async def count_tokens(request: Request) -> Response:
     return JSONResponse({"input_tokens": len(rendered.ids)})
 
 
-def model_object(ctx: ServerContext, name: str) -> dict[str, Any]:
-    """One served model in Anthropic's shape."""
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.started_at))
-    return {"type": "model", "id": name, "display_name": name, "created_at": created,
-            "max_input_tokens": ctx.max_model_len - 1, "max_tokens": ctx.max_model_len - 1}
-
-
 def routes() -> list[Route]:
     return [
         Route("/v1/messages", create_message, methods=["POST"]),
@@ -217,4 +213,4 @@ def routes() -> list[Route]:
     ]
 
 
-__all__ = ["routes", "model_object"]
+__all__ = ["routes"]

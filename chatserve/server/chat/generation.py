@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.async_engine import RequestMetrics
 from chatserve.engine.input_processor import ProcessedPrompt
@@ -37,6 +39,8 @@ class Generation:
         params: SamplingParams,
         *,
         session: SessionKV | None = None,
+        cache_salt: str | None = None,
+        cache_leases: list[CacheLease] | None = None,
     ) -> None:
         self.ctx = ctx
         self.request_id = request_id
@@ -58,12 +62,17 @@ class Generation:
         self._cached: dict[str, int] = {}
         self._stats: dict[str, RequestStats] = {}  # each engine request's record (for usage.chatserve)
         try:
+            # Only the prefix-cache options a request sets are passed (engines built for tests take the plain call).
+            options: dict[str, Any] = {}
+            if session is not None:
+                options["session"] = session
+            if cache_salt is not None:
+                options["cache_salt"] = cache_salt
+            if cache_leases:
+                options["cache_leases"] = cache_leases
             for eid, prompt in zip(engine_ids, prompts):
                 # A ProcessedPrompt is not validated again: the route's input_processor.process did it.
-                if session is None:
-                    self._streams.append(ctx.engine.generate(prompt, params.clone(), request_id=eid))
-                else:
-                    self._streams.append(ctx.engine.generate(prompt, params.clone(), request_id=eid, session=session))
+                self._streams.append(ctx.engine.generate(prompt, params.clone(), request_id=eid, **options))
         except ValueError as exc:  # e.g. an engine id still live from an earlier request
             self._abandon()
             raise bad_request(str(exc), param="prompt") from None

@@ -347,6 +347,11 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     # chatserve: opt this request out of the server's speculative decoding (same output, plain speed)
     speculative_decoding: bool = True
+    # prefix cache (docs/prefix-cache.md): vLLM's salt (share cached KV only with the same salt), and
+    # OpenAI's prompt_cache_key, which leases this prompt's prefix for prompt_cache_retention
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* spellings
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

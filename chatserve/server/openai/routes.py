@@ -1,4 +1,4 @@
-"""`/v1/chat/completions`, `/v1/completions` and `/v1/models`: OpenAI's contract, streamed or not.
+"""`/v1/chat/completions` and `/v1/completions`: OpenAI's contract, streamed or not (`/v1/models`: server/models.py).
 
 Each POST route is parse-then-serve: the body is validated, and an adapter hands the serving
 pipeline (`server/pipeline.py`) what only this API knows: its limits and stream policy, its prompt
@@ -139,15 +139,6 @@ def _prompt_text(ctx: ServerContext, prompt: ProcessedPrompt) -> str:
     return prompt.prompt if prompt.prompt is not None else ctx.engine.tokenizer.decode(prompt.prompt_token_ids)
 
 
-async def list_models(request: Request) -> JSONResponse:
-    """One entry per served name (`--served-model-name A B`), the name replies report first."""
-    ctx = get_context(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": name, "object": "model", "created": ctx.started_at,
-        "owned_by": "chatserve", "max_model_len": ctx.max_model_len,
-    } for name in ctx.served_model_names]})
-
-
 async def resume_stream(request: Request) -> Response:
     ctx = get_context(request)
     run_id = request.path_params["stream_id"]
@@ -174,7 +165,6 @@ async def resume_stream(request: Request) -> Response:
 
 def routes() -> list[Route]:
     return [
-        Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         # a logged stream read back (streams/resume.py); session turns resume by their chatcmpl- id too

@@ -250,8 +250,10 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["disabled", "auto"] = "disabled"
     user: str | None = None  # stored and echoed; no effect on the reply
     safety_identifier: str | None = None  # idem
-    prompt_cache_key: str | None = None  # a routing hint for OpenAI; our prefix cache needs none
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # idem (leases: see docs/prefix-cache.md)
+    # leases the prompt's prefix for prompt_cache_retention (docs/prefix-cache.md); cache_salt: vLLM's salt
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # the include/reasoning/... fields of REFUSED_RESPONSES: declared so that forbid does not pre-empt
     # the refusal's clearer message; only their neutral values ever get here
     include: list[Any] | None = None
@@ -352,7 +354,8 @@ class ResponsesRequest(StrictModel):
             model=self.model, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-            ignore_eos=self.ignore_eos, response_format=self.response_format(),
+            ignore_eos=self.ignore_eos, response_format=self.response_format(), cache_salt=self.cache_salt,
+            prompt_cache_key=self.prompt_cache_key, prompt_cache_retention=self.prompt_cache_retention,
         )
 
     def text_config(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ under test, not speed (scripts/bench_serving.py measures that).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -124,6 +125,53 @@ def test_sticky_sessions_keep_their_replica_and_their_cache(cluster: Cluster) ->
         for got, hist in cached[sid][1:]:
             assert got >= hist - BLOCK, f"session {sid}: {got} cached of a {hist}-token history"
     assert len({s[0] for s in served.values()}) == 2, f"all sessions on one replica: {served}"
+
+
+def _message_events(client: httpx.Client, messages: list[dict], sid: str) -> tuple[list[tuple[str, dict]], str]:
+    """A streamed /v1/messages call through the router: its (event, data) frames, and the replica that served it."""
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0, "stream": True,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328; cch=" + sid[-5:] + ";"},
+                       {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}],
+            "messages": messages}
+    headers = {"anthropic-version": "2023-06-01", "X-Session-Id": sid}
+    frames: list[tuple[str, dict]] = []
+    with client.stream("POST", "/v1/messages?beta=true", json=body, headers=headers) as resp:
+        assert resp.status_code == 200, resp.read()
+        event = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("data: "):
+                assert event is not None, f"a data line without its event line: {line!r}"
+                frames.append((event, json.loads(line[len("data: "):])))
+                event = None
+        return frames, instance(resp)
+
+
+def test_messages_stream_through_the_router_and_an_agent_stays_on_its_prefix(cluster: Cluster) -> None:
+    """Anthropic's /v1/messages through the unmodified router (it forwards routes it does not know),
+    streamed with Anthropic's framing; an agent that sends `X-Session-Id` (Claude Code does with
+    ANTHROPIC_CUSTOM_HEADERS, docs/anthropic.md) keeps its replica, so its next turn is a cache hit."""
+    with httpx.Client(base_url=cluster.spec.router_url, timeout=120) as client:
+        agents = {f"agent-{i}-{os.getpid()}": [{"role": "user", "content": system_prompt(20 + i)}] for i in range(4)}
+        served: dict[str, list[str]] = {sid: [] for sid in agents}
+        prev: dict[str, int] = {}  # each agent's last prompt length
+        for turn in range(2):
+            for sid, messages in agents.items():
+                frames, where = _message_events(client, messages, sid)
+                served[sid].append(where)
+                kinds = [e for e, _ in frames if e != "ping"]
+                assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+                usage = frames[0][1]["message"]["usage"]
+                prompt = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+                if turn == 1:  # the first turn's whole prompt, less a partial block, came from the cache
+                    assert usage["cache_read_input_tokens"] >= prev[sid] - BLOCK, (sid, usage, prev[sid])
+                prev[sid] = prompt
+                text = "".join(d["delta"].get("text", "") for e, d in frames if e == "content_block_delta")
+                messages += [{"role": "assistant", "content": text or "ok"}, {"role": "user", "content": "And then?"}]
+    for sid, where in served.items():
+        assert len(set(where)) == 1, f"agent {sid} moved between replicas: {where}"
+    assert len({w[0] for w in served.values()}) == 2, f"all agents on one replica: {served}"
 
 
 def test_cache_aware_places_stateless_chats_by_their_tokens_without_any_header(cluster: Cluster) -> None:

@@ -53,6 +53,9 @@ class ServeOptions:
         "help": "log level of chatserve and uvicorn", "aliases": ("--uvicorn-log-level",)})
     shutdown_grace_s: float = field(default=10.0, metadata={
         "help": "on SIGTERM, seconds running streams get to finish before they are aborted"})
+    limit_concurrency: int | None = field(default=1024, metadata={
+        "help": "most open connections (streams and idle keep-alive ones included); past it uvicorn answers new "
+                "requests 503 at once (none: no limit)"})
     drain_notice_s: float = field(default=0.0, metadata={
         "help": "on SIGTERM, seconds /health answers 503 (draining) while the server still listens, before it "
                 "stops accepting connections: a router's health check then moves new requests away first "
@@ -225,12 +228,38 @@ def _add_serve_args(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> N
                            help="vLLM's spelling of --kv-cache-memory-gb, in bytes (8G = 8 GiB, 8g = 8e9 bytes)")
 
 
+async def _over_connection_limit(scope: Any, receive: Any, send: Any) -> None:
+    """uvicorn's answer past --limit-concurrency, in OpenAI's error shape instead of plain text."""
+    import json
+
+    body = json.dumps({"error": {
+        "message": "the server has as many open connections as --limit-concurrency allows; retry shortly",
+        "type": "service_unavailable_error", "param": None, "code": "too_many_connections"}}).encode()
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _json_over_connection_limit() -> None:
+    """uvicorn names the app it runs past `limit_concurrency` in each HTTP protocol module; ours answers
+    in OpenAI's shape (a module this uvicorn lacks is skipped)."""
+    import importlib
+
+    for name in ("h11_impl", "httptools_impl"):
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(f"uvicorn.protocols.http.{name}")
+            if hasattr(module, "service_unavailable"):
+                module.service_unavailable = _over_connection_limit
+
+
 def _server_class(ctx: Any, grace_s: float, notice_s: float = 0.0) -> type:
     import uvicorn
     from sse_starlette.sse import AppStatus
 
     # NOTE: sse-starlette would cut every stream the moment SIGTERM arrives; we drain them ourselves.
     AppStatus.disable_automatic_graceful_drain()
+    _json_over_connection_limit()
 
     class Server(uvicorn.Server):
         """Graceful shutdown for streams: stop accepting, let running requests finish for grace_s, then
@@ -333,6 +362,10 @@ def _add_cluster_args(sub: Any) -> None:
     cluster.add_argument("--threads-per-replica", type=int, default=None,
                          help="torch threads per replica [default: cores / replicas]")
     cluster.add_argument("--log-dir", type=Path, default=None, help="one log file per process here [default: stdout]")
+    cluster.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                         help="web origins (scheme://host[:port]) whose pages may call the cluster: the replicas' "
+                              "--allowed-origins (besides the router's own origin) and the router's CORS origins "
+                              "[default: none]")
     cluster.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then flags for every replica")
 
 
@@ -374,7 +407,7 @@ def serve(args: argparse.Namespace) -> int:
         from chatserve.server.cancel_bus import CancelBus
 
         cancel_bus = CancelBus(options.redis_url)
-    app = create_app(engine, sessions, settings, cancel_bus)
+    app = create_app(engine, sessions, settings, cancel_bus, bind_host=options.host)
     url = f"http://{options.host}:{options.port}"
     print(f"chatserve: serving {app.state.ctx.model_name} at {url}  (web client: {url}/ , API: {url}/v1)", flush=True)
     config = uvicorn.Config(
@@ -384,6 +417,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=options.log_level,
         timeout_graceful_shutdown=5,  # after our own drain (see _server_class)
         timeout_keep_alive=30,
+        limit_concurrency=options.limit_concurrency,
     )
     _server_class(app.state.ctx, options.shutdown_grace_s, options.drain_notice_s)(config).run()
     return 0
@@ -411,7 +445,7 @@ def cluster(args: argparse.Namespace) -> int:
     spec = ClusterSpec(replicas=args.replicas, host=args.host, router_port=args.port,
                        first_replica_port=args.first_replica_port, policy=args.policy, redis_url=args.redis_url,
                        threads_per_replica=args.threads_per_replica, serve_args=serve_args, log_dir=args.log_dir,
-                       kv_events_first_port=args.kv_events_first_port)
+                       kv_events_first_port=args.kv_events_first_port, allowed_origins=tuple(args.allowed_origins))
     try:
         return serve_cluster(spec)
     except RuntimeError as exc:

@@ -13,6 +13,11 @@ that reaches every process it started, by PID, whatever way the launcher exits.
 Replicas share nothing but Redis: session histories live there (a session whose replica dies
 continues on another one, as a cache miss), and so do cancels (server/cancel_bus.py), so a
 cancel may land on any replica.
+
+Browsers: the router forwards a request's `Origin` but rewrites its `Host` to the replica's
+address, so each replica allows the router's own origin (and, on a loopback host, its localhost
+spellings) besides `--allowed-origins`, which also become the router's CORS origins
+(`--cors-allowed-origins`, all vllm-router 0.1.17 offers: it has no Host check of its own).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class ClusterSpec:
     env: dict[str, str] = field(default_factory=dict)
     kv_events: bool | None = None  # replicas publish KV events; None: only under the kv_aware policy
     kv_events_first_port: int = 5557  # replica i publishes on this + 2i and serves replays on this + 2i + 1
+    allowed_origins: tuple[str, ...] = ()  # web origins besides the router's own (the replicas' --allowed-origins)
 
     def replica_urls(self) -> list[str]:
         return [f"http://{self.host}:{self.first_replica_port + i}" for i in range(self.replicas)]
@@ -72,6 +78,16 @@ class ClusterSpec:
     @property
     def router_url(self) -> str:
         return f"http://{self.host}:{self.router_port}"
+
+    def router_origins(self) -> list[str]:
+        """The origins a page served through the router has: its URL, and on a loopback host the
+        other loopback spellings of it."""
+        from chatserve.server.middleware import is_loopback_host
+
+        hosts = [self.host]
+        if is_loopback_host(self.host):
+            hosts += [h for h in ("127.0.0.1", "localhost", "[::1]") if h != self.host]
+        return [f"http://{h}:{self.router_port}" for h in hosts]
 
 
 @dataclass
@@ -127,6 +143,7 @@ def router_command(spec: ClusterSpec, prometheus_port: int) -> list[str]:
             "--worker-startup-timeout-secs", str(int(spec.startup_timeout_s)),
             "--prometheus-host", spec.host, "--prometheus-port", str(prometheus_port),
             "--request-id-headers", "x-request-id",
+            *(("--cors-allowed-origins", *spec.allowed_origins) if spec.allowed_origins else ()),
             *(kv_event_router_args(spec) if spec.policy == "kv_aware" else ()),
             *spec.router_args]
 
@@ -156,8 +173,13 @@ def replica_command(spec: ClusterSpec, i: int) -> list[str]:
     if spec.publishes_kv_events:
         pub, replay = spec.kv_event_endpoints(i)
         kv_events = ["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay]
+    if any(a == "--allowed-origins" or a.startswith("--allowed-origins=") for a in spec.serve_args):
+        raise RuntimeError("give --allowed-origins to `chatserve cluster` itself (before `--`): the replicas and the "
+                           "router's CORS settings both need it")
+    origins = [*spec.router_origins(), *spec.allowed_origins]
     return [sys.executable, "-m", "chatserve", "serve", "--host", spec.host,
             "--port", str(spec.first_replica_port + i), "--redis-url", spec.redis_url,
+            "--allowed-origins", *origins,  # (before a flag: a positional MODEL in serve_args must not join the list)
             "--num-threads", str(threads), "--drain-notice-s", str(notice_s), *kv_events, *spec.serve_args]
 
 

@@ -1,6 +1,6 @@
 """`create_app`: the whole HTTP surface over one engine, as a Starlette app.
 
-A request's path: `middleware` (API key, error count) -> a family's `routes` (openai/, responses/,
+A request's path: `middleware` (error count, Host and Origin checks, CORS, API key) -> a family's `routes` (openai/, responses/,
 sessions/) -> `http_input` (body size, JSON, the family's pydantic `protocol` models) ->
 `chat/params` (SamplingParams) -> `chat/generation` (engine requests) -> `chat/replies` (SSE
 chunks or one body, built by `chat/chunks`, written by `streams/sse`). Every failure on the way
@@ -23,7 +23,7 @@ from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.context import ServerContext
 from chatserve.server.errors import exception_handlers
 from chatserve.server.metrics import ServerMetrics
-from chatserve.server.middleware import AuthAndErrorCount
+from chatserve.server.middleware import add_middleware
 from chatserve.server.openai import routes as openai_routes
 from chatserve.server.openai import tokens as token_routes
 from chatserve.server.responses import routes as responses_routes
@@ -42,10 +42,14 @@ logger = logging.getLogger(__name__)
 
 def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
                settings: ServerSettings | None = None, cancel_bus: CancelBus | None = None,
-               responses: ResponseStore | None = None) -> Starlette:
+               responses: ResponseStore | None = None, bind_host: str | None = None) -> Starlette:
     """The whole HTTP surface over one engine. `sessions` None: no session API. `cancel_bus`: cancels
-    reach the replica holding the request (several replicas sharing a Redis behind a router)."""
+    reach the replica holding the request (several replicas sharing a Redis behind a router).
+    `bind_host`: the address the server listens on (a loopback one turns the Host check on; see
+    middleware.py); the session store takes its limits from `settings`."""
     settings = settings or ServerSettings()
+    if sessions is not None:
+        sessions.set_limits(settings.session_limits())
     model_name = settings.served_model_name or engine.model_name
     server_metrics = ServerMetrics(engine.stats, model_name)
     ctx = ServerContext(engine, sessions, settings, server_metrics,
@@ -89,6 +93,7 @@ def create_app(engine: AsyncLLMEngine, sessions: SessionStore | None = None,
     app.state.ctx = ctx
     if sessions is not None:
         app.add_middleware(SessionHeader)
-    app.add_middleware(AuthAndErrorCount, api_key=settings.api_key, metrics=server_metrics,
-                       instance_id=settings.instance_id)
+    add_middleware(app, api_key=settings.api_key, metrics=server_metrics, routes=app.router.routes,
+                   instance_id=settings.instance_id, allowed_origins=settings.allowed_origins or (),
+                   allowed_hosts=settings.allowed_hosts or (), bind_host=bind_host)
     return app

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
@@ -30,6 +31,7 @@ _TYPES = {
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
+    507: "insufficient_storage_error",
 }
 
 

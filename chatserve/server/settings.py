@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from chatserve.config import served_names
+
+if TYPE_CHECKING:
+    from chatserve.sessions.store import SessionLimits
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,8 @@ class ServerSettings:
     """
 
     api_key: str | None = field(default=None, metadata={
-        "help": "require `Authorization: Bearer KEY` on /v1/* (default: none)", "secret": True})
+        "help": "require the key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every route but the web page, "
+                "/health, /metrics and a router's /get_server_info, /kv_event_sources (default: none)", "secret": True})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model names clients send and see, space-separated: the first is the one replies report, "
                 "a request may name any of them, /v1/models lists each (default: the engine's model name)",
@@ -70,6 +75,34 @@ class ServerSettings:
     responses_max_in_memory: int = field(default=10_000, metadata={
         "help": "most responses kept in memory without --redis-url (the least recently written go first)"})
 
+    allowed_origins: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "web origins (scheme://host[:port], space-separated; `*` any) whose pages may call the API besides "
+                "the server's own; a request with any other Origin header is a 403 (clients that send no Origin, "
+                "curl and the SDKs, are not affected). The listed ones also get CORS headers (default: none)"})
+    allowed_hosts: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "Host header names the server answers to besides loopback names and the bind address, "
+                "space-separated (`.example.com`: it and every name under it; `*`: any). Bound to a loopback "
+                "address the Host is always checked (DNS rebinding); bound to another address only when this "
+                "is given (default: none)"})
+    sse_send_timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds one write to a stream may wait for a client that stopped reading; then the stream is "
+                "dropped (its request aborted, as on a disconnect)"})
+    session_max_count: int = field(default=10_000, metadata={
+        "help": "most live sessions (memory or Redis); creating or forking one more is a 429 "
+                "(code session_limit_reached) until some expire or are deleted"})
+    session_max_bytes: int = field(default=1024 * 1024 * 1024, metadata={
+        "help": "most bytes all live sessions may hold together (records, messages, token histories); past it, "
+                "creating, forking or starting a turn is a 507 (code session_storage_full)"})
+    session_max_ttl_s: float = field(default=30 * 24 * 3600.0, metadata={
+        "help": "longest ttl_seconds a session may ask for (a session lives this long after its last write at most)"})
+
+    def session_limits(self) -> SessionLimits:
+        """What the session store may hold (create_app hands it to the store)."""
+        from chatserve.sessions.store import SessionLimits
+
+        return SessionLimits(max_count=self.session_max_count, max_bytes=self.session_max_bytes,
+                             max_ttl_seconds=self.session_max_ttl_s)
+
     def load_chat_template(self) -> str | None:
         """The --chat-template file's text (read once, at startup, so a bad path fails before serving)."""
         if self.chat_template is None:
@@ -89,14 +122,18 @@ class ServerSettings:
         served_names(names or None)  # (none twice)
         object.__setattr__(self, "served_model_name", names[0] if names else None)
         object.__setattr__(self, "served_model_aliases", names[1:] or None)
+        for name in ("allowed_origins", "allowed_hosts"):  # the flag's list as a tuple (hashable, frozen)
+            value = getattr(self, name)
+            object.__setattr__(self, name, tuple(value) if value else None)
         if self.sse_keepalive_s <= 0:
             raise ValueError(f"sse_keepalive_s must be > 0, got {self.sse_keepalive_s}")
         if not self.kv_lease_seconds >= 0:
             raise ValueError(f"kv_lease_seconds must be >= 0, got {self.kv_lease_seconds}")
-        for name in ("event_log_ttl_s", "detach_lease_s", "max_detach_lease_s", "responses_ttl_s"):
+        for name in ("event_log_ttl_s", "detach_lease_s", "max_detach_lease_s", "responses_ttl_s", "sse_send_timeout_s",
+                     "session_max_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_messages", "max_queue_len",
-                     "event_log_max_events", "responses_max_in_memory"):
+                     "event_log_max_events", "responses_max_in_memory", "session_max_count", "session_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

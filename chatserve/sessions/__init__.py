@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from chatserve.sessions.errors import (
     SessionBusy,
+    SessionLimitExceeded,
     SessionNotFound,
     SessionStoreError,
     SessionStoreUnavailable,
@@ -19,6 +20,7 @@ from chatserve.sessions.redis_store import RedisSessionStore
 from chatserve.sessions.store import (
     DEFAULT_SESSION_TTL_S,
     DEFAULT_TURN_LOCK_TTL_S,
+    SessionLimits,
     SessionPage,
     SessionStore,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "RedisSessionStore",
     "Session",
     "SessionBusy",
+    "SessionLimitExceeded",
+    "SessionLimits",
     "SessionNotFound",
     "SessionPage",
     "SessionStore",

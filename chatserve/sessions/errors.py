@@ -34,6 +34,15 @@ class SessionStoreUnavailable(SessionStoreError):
     """The backing store (Redis) cannot be reached or failed. HTTP 503; retry later."""
 
 
+class SessionLimitExceeded(SessionStoreError):
+    """The store is full: `kind` "count" (--session-max-count live sessions; HTTP 429) or "bytes"
+    (--session-max-bytes held by all sessions together; HTTP 507). Nothing was written."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class SessionValidationError(SessionStoreError, ValueError):
     """An argument the store cannot accept (bad TTL, limit, cursor, role, token id,
     or a value that is not JSON-serialisable). HTTP 400."""

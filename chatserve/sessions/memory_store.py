@@ -1,8 +1,8 @@
 """InMemorySessionStore: the SessionStore of one process, for when no Redis is configured.
 
 Same semantics as the Redis store (TTL, lock expiry, atomic turns, JSON round trip of
-every value); nothing survives the process. Expiry uses the monotonic clock; expired
-sessions and locks are dropped lazily, when touched or when listing.
+every value, the limits); nothing survives the process. Expiry uses the monotonic clock; expired
+sessions and locks are dropped lazily, when touched, when listing, or when a limit is checked.
 """
 
 from __future__ import annotations
@@ -27,15 +27,20 @@ from chatserve.sessions.store import (
     DEFAULT_SESSION_TTL_S,
     DEFAULT_TURN_LOCK_TTL_S,
     UNSET,
+    SessionLimits,
     SessionPage,
     SessionStore,
     Unset,
     apply_update,
     busy_error,
+    bytes_error,
     changed_error,
     check_list_args,
     check_turn_args,
+    count_error,
+    message_bytes,
     plan_fork,
+    record_bytes,
     without_last_turn,
 )
 
@@ -46,6 +51,11 @@ class _Entry:
     messages: list[str]  # Message.to_record() each
     tokens: bytes  # encode_token_ids(history)
     deadline: float  # time.monotonic() at which the whole session expires
+
+    @property
+    def size(self) -> int:
+        """The bytes this session counts against --session-max-bytes."""
+        return record_bytes(self.record) + message_bytes(self.messages) + len(self.tokens)
 
 
 @dataclass
@@ -58,10 +68,12 @@ class InMemorySessionStore(SessionStore):
     persistent = False
     backend = "memory"
 
-    def __init__(self, default_ttl_seconds: float = DEFAULT_SESSION_TTL_S) -> None:
-        super().__init__(default_ttl_seconds)
+    def __init__(self, default_ttl_seconds: float = DEFAULT_SESSION_TTL_S, limits: SessionLimits | None = None) -> None:
         self._sessions: dict[str, _Entry] = {}
         self._locks: dict[str, _Lock] = {}
+        self._sizes: dict[str, int] = {}  # each live session's bytes (its entry's size when last written)
+        self.total_bytes = 0  # sum of _sizes
+        super().__init__(default_ttl_seconds, limits)
 
     # --- lazy expiry -----------------------------------------------------------------
 
@@ -70,9 +82,32 @@ class InMemorySessionStore(SessionStore):
             return None
         entry = self._sessions.get(session_id)
         if entry is not None and entry.deadline <= time.monotonic():
-            del self._sessions[session_id]
+            self._drop(session_id)
             return None
         return entry
+
+    def _drop(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        self.total_bytes -= self._sizes.pop(session_id, 0)
+
+    def _store(self, session_id: str, entry: _Entry) -> None:
+        """Writes (or rewrites) an entry and its byte count."""
+        self._sessions[session_id] = entry
+        size = entry.size
+        self.total_bytes += size - self._sizes.get(session_id, 0)
+        self._sizes[session_id] = size
+
+    def _admit(self, new_bytes: int) -> None:
+        """Room for one more session of `new_bytes`, or SessionLimitExceeded (expired ones pruned first)."""
+        limits = self.limits
+        if limits.max_count is not None and len(self._sessions) >= limits.max_count:
+            self._prune()
+            if len(self._sessions) >= limits.max_count:
+                raise count_error(limits.max_count)
+        if limits.max_bytes is not None and self.total_bytes + new_bytes > limits.max_bytes:
+            self._prune()
+            if self.total_bytes + new_bytes > limits.max_bytes:
+                raise bytes_error(limits.max_bytes, self.total_bytes, new_bytes)
 
     def _require(self, session_id: str) -> _Entry:
         entry = self._live(session_id)
@@ -90,7 +125,7 @@ class InMemorySessionStore(SessionStore):
     def _prune(self) -> None:
         now = time.monotonic()
         for sid in [s for s, e in self._sessions.items() if e.deadline <= now]:
-            del self._sessions[sid]
+            self._drop(sid)
         for sid in [s for s, lk in self._locks.items() if lk.deadline <= now]:
             del self._locks[sid]
 
@@ -117,7 +152,9 @@ class InMemorySessionStore(SessionStore):
     ) -> Session:
         session = self._new_session(system_prompt, metadata, ttl_seconds, defaults, model)
         session_id, ttl, record = session.id, session.ttl_seconds, session.to_record()
-        self._sessions[session_id] = _Entry(record, [], b"", time.monotonic() + ttl)
+        entry = _Entry(record, [], b"", time.monotonic() + ttl)
+        self._admit(entry.size)
+        self._store(session_id, entry)
         return Session.from_record(record)
 
     async def get(self, session_id: str) -> Session | None:
@@ -139,13 +176,14 @@ class InMemorySessionStore(SessionStore):
 
     async def delete(self, session_id: str) -> bool:
         existed = self._live(session_id) is not None
-        self._sessions.pop(session_id, None)
+        self._drop(session_id)
         self._locks.pop(session_id, None)
         return existed
 
     async def touch(self, session_id: str) -> Session:
         entry = self._require(session_id)
         self._refresh(entry, updated=False)
+        self._store(session_id, entry)
         return Session.from_record(entry.record)
 
     async def update(
@@ -160,6 +198,7 @@ class InMemorySessionStore(SessionStore):
         record = apply_update(Session.from_record(entry.record), title, metadata, defaults).to_record()
         entry.record = record
         self._refresh(entry, updated=True)
+        self._store(session_id, entry)
         return Session.from_record(entry.record)
 
     async def fork(
@@ -176,8 +215,9 @@ class InMemorySessionStore(SessionStore):
                          self._new_id(), title, metadata)
         record = plan.session.to_record()
         tokens = encode_token_ids(plan.token_ids) if plan.token_ids else b""
-        self._sessions[plan.session.id] = _Entry(record, [m.to_record() for m in plan.messages], tokens,
-                                                 time.monotonic() + plan.session.ttl_seconds)
+        new = _Entry(record, [m.to_record() for m in plan.messages], tokens, time.monotonic() + plan.session.ttl_seconds)
+        self._admit(new.size)
+        self._store(plan.session.id, new)
         return Session.from_record(record)
 
     # --- turns ---------------------------------------------------------------------------
@@ -213,6 +253,7 @@ class InMemorySessionStore(SessionStore):
         entry.tokens = tokens
         entry.record["num_turns"] = dumps_json(num_turns + (0 if replace_last_turn else 1), "num_turns")
         self._refresh(entry, updated=True)
+        self._store(session_id, entry)
         return Session.from_record(entry.record)
 
     # --- turn lock ---------------------------------------------------------------------
@@ -223,6 +264,11 @@ class InMemorySessionStore(SessionStore):
         held = self._held_lock(session_id)
         if held is not None:
             raise busy_error(session_id, max(0.0, held.deadline - time.monotonic()))
+        max_bytes = self.limits.max_bytes
+        if max_bytes is not None and self.total_bytes >= max_bytes:
+            self._prune()
+            if self.total_bytes >= max_bytes:
+                raise bytes_error(max_bytes, self.total_bytes)
         token = secrets.token_hex(16)
         self._locks[session_id] = _Lock(token, time.monotonic() + ttl)
         return token
@@ -252,7 +298,10 @@ class InMemorySessionStore(SessionStore):
 
     def check_integrity(self) -> None:
         """Asserts the invariants of the stored records (tests call it after random operations)."""
+        assert set(self._sizes) == set(self._sessions), (set(self._sizes) ^ set(self._sessions))
+        assert self.total_bytes == sum(self._sizes.values()), (self.total_bytes, sum(self._sizes.values()))
         for sid, entry in self._sessions.items():
+            assert self._sizes[sid] == entry.size, (sid, self._sizes[sid], entry.size)
             session = Session.from_record(entry.record)
             assert session.id == sid, (sid, session.id)
             assert len(entry.messages) == 2 * session.num_turns, (sid, len(entry.messages), session.num_turns)

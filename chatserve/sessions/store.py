@@ -15,6 +15,13 @@ both implementations to them):
   `num_turns`, `updated_at` and the TTL refresh all at once or not at all.
 - Backend failures raise SessionStoreUnavailable (HTTP 503); the same store object works
   again once the backend is back.
+- Limits (`SessionLimits`, set at construction or by `set_limits`): at most `max_count` live
+  sessions (`create` and `fork` beyond it raise SessionLimitExceeded "count"); at most `max_bytes`
+  held by all live sessions together, counted as the bytes of their records, messages and token
+  histories (`create` and `fork` that would pass it, and `acquire_turn_lock` once it is reached, raise
+  SessionLimitExceeded "bytes"; a turn already running is stored, so turns in flight may pass it);
+  `ttl_seconds` at most `max_ttl_seconds` (more is a SessionValidationError; the default TTL is
+  capped to it). Expired and deleted sessions stop counting at once.
 
 A turn, as the server is expected to run it::
 
@@ -42,9 +49,10 @@ import abc
 import contextlib
 import enum
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from chatserve.sessions.errors import SessionBusy, SessionStoreUnavailable, SessionValidationError
+from chatserve.sessions.errors import SessionBusy, SessionLimitExceeded, SessionStoreUnavailable, SessionValidationError
 from chatserve.sessions.models import (
     Message,
     Session,
@@ -77,6 +85,45 @@ class SessionPage(NamedTuple):
     has_more: bool
 
 
+@dataclass(frozen=True)
+class SessionLimits:
+    """What one store may hold; None: no limit."""
+
+    max_count: int | None = None
+    max_bytes: int | None = None
+    max_ttl_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_count", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.max_ttl_seconds is not None:
+            check_ttl(self.max_ttl_seconds, "max_ttl_seconds")
+
+
+def count_error(max_count: int) -> SessionLimitExceeded:
+    return SessionLimitExceeded(
+        f"this server already holds its limit of {max_count} live sessions (--session-max-count); delete sessions "
+        "you no longer need (DELETE /v1/sessions/{id}) or wait for some to expire, then retry", kind="count")
+
+
+def bytes_error(max_bytes: int, held: int, adding: int = 0) -> SessionLimitExceeded:
+    what = f"adding {adding} bytes would pass" if adding else "has reached"
+    return SessionLimitExceeded(
+        f"the session store holds {held} bytes and {what} its limit of {max_bytes} (--session-max-bytes); delete "
+        "sessions you no longer need (DELETE /v1/sessions/{id}) or wait for some to expire, then retry", kind="bytes")
+
+
+def record_bytes(record: dict[str, Any]) -> int:
+    """The bytes of a session record's values (str or bytes), as the stores count them."""
+    return sum(len(v) if isinstance(v, bytes) else len(v.encode()) for v in record.values())
+
+
+def message_bytes(messages: Sequence[str | bytes]) -> int:
+    return sum(len(m) if isinstance(m, bytes) else len(m.encode()) for m in messages)
+
+
 class SessionStore(abc.ABC):
     """Async storage of chat sessions. Not thread-safe: use it from one event loop."""
 
@@ -85,9 +132,29 @@ class SessionStore(abc.ABC):
     #: A short name for logs and health output ("redis", "memory").
     backend: str = ""
 
-    def __init__(self, default_ttl_seconds: float = DEFAULT_SESSION_TTL_S) -> None:
-        self.default_ttl_seconds = check_ttl(default_ttl_seconds, "default_ttl_seconds")
+    def __init__(self, default_ttl_seconds: float = DEFAULT_SESSION_TTL_S, limits: SessionLimits | None = None) -> None:
+        self._default_ttl_seconds = check_ttl(default_ttl_seconds, "default_ttl_seconds")
+        self.limits = SessionLimits()
+        self.set_limits(limits or SessionLimits())
         self._new_id = SessionIdGenerator()
+
+    def set_limits(self, limits: SessionLimits) -> None:
+        """The store's limits from now on (the server sets them from its settings)."""
+        self.limits = limits
+
+    @property
+    def default_ttl_seconds(self) -> float:
+        """The TTL of a session created without one: the store's default, capped by max_ttl_seconds."""
+        cap = self.limits.max_ttl_seconds
+        return self._default_ttl_seconds if cap is None else min(self._default_ttl_seconds, cap)
+
+    def _check_ttl(self, ttl_seconds: object) -> float:
+        ttl = check_ttl(ttl_seconds)
+        cap = self.limits.max_ttl_seconds
+        if cap is not None and ttl > cap:
+            raise SessionValidationError(f"ttl_seconds must be at most {cap:g} (this server's --session-max-ttl-s), "
+                                         f"got {ttl_seconds!r}")
+        return ttl
 
     # --- sessions -----------------------------------------------------------------
 
@@ -110,7 +177,7 @@ class SessionStore(abc.ABC):
     ) -> Session:
         """A new session with no turns, validated (TTL, JSON-able metadata and defaults): what
         `create` stores, the same for every store."""
-        ttl = check_ttl(self.default_ttl_seconds if ttl_seconds is None else ttl_seconds)
+        ttl = self._check_ttl(self.default_ttl_seconds if ttl_seconds is None else ttl_seconds)
         session_id, created_at = self._new_id()
         return Session(
             id=session_id,

@@ -18,6 +18,7 @@ from chatserve.server.errors import APIError, bad_request
 from chatserve.sessions import (
     Message,
     SessionBusy,
+    SessionLimitExceeded,
     SessionNotFound,
     SessionStore,
     SessionStoreUnavailable,
@@ -41,6 +42,10 @@ def store_errors() -> Iterator[None]:
     except SessionStoreUnavailable as exc:
         raise APIError(503, f"sessions are unavailable right now: {exc}", code="session_store_unavailable",
                        headers={"Retry-After": "1"}) from None
+    except SessionLimitExceeded as exc:
+        if exc.kind == "count":
+            raise APIError(429, str(exc), code="session_limit_reached") from None
+        raise APIError(507, str(exc), code="session_storage_full") from None
     except SessionValidationError as exc:
         raise bad_request(str(exc)) from None
 

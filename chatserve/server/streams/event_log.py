@@ -24,6 +24,10 @@ Redis layout (keys start with the session store's prefix, "chatserve:" by defaul
                                             the end marker is one more entry with field "end" = status
     {prefix}events:{key}:readers    string  reader heartbeat, PX READER_TTL_S
 
+`{key}` is the run id (`chatcmpl-` plus the client's X-Request-Id, say) with every character
+outside `A-Z a-z 0-9 . _ ~ -` percent-encoded (`key_part`), so no id can spell another run's key:
+`x:readers` is `x%3Areaders`, not the heartbeat of run `x`, and `{`/`}` cannot pick a cluster slot.
+
 The entry ids carry our own sequence number (`XADD` with an explicit id), so numbering is the
 same on every replica, and Redis refuses a duplicate or out-of-order id: a second writer fails
 loudly instead of interleaving.
@@ -246,6 +250,18 @@ def _seq_of(entry_id: bytes | str) -> int:
     return int(text.split("-", 1)[0])
 
 
+_KEY_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~-")
+
+
+def key_part(key: str) -> str:
+    """`key` with every character outside the unreserved URL alphabet percent-encoded (UTF-8): one
+    to one, free of `:` (the separator of our key names) and `%` only as the escape."""
+    if all(c in _KEY_SAFE for c in key):
+        return key
+    return "".join(c if c in _KEY_SAFE else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+                   for c in key)
+
+
 class RedisEventLog(EventLog):
     """The log in Redis Streams, on the session store's client: every replica on the same Redis reads it."""
 
@@ -262,10 +278,10 @@ class RedisEventLog(EventLog):
         self._expiry_set: dict[str, float] = {}  # when each key's TTL was last set (monotonic)
 
     def stream_key(self, key: str) -> str:
-        return f"{self.prefix}events:{key}"
+        return f"{self.prefix}events:{key_part(key)}"
 
     def readers_key(self, key: str) -> str:
-        return f"{self.prefix}events:{key}:readers"
+        return f"{self.prefix}events:{key_part(key)}:readers"
 
     def _errors(self, doing: str) -> contextlib.AbstractContextManager[None]:
         from chatserve.sessions.redis_store import redis_errors

@@ -12,17 +12,27 @@ Two framings, one per kind of stream:
 
 Nothing here knows what the events say (chat chunks, Responses events, a run's log): the
 families build their events and hand them to `sse_response`.
+
+A client that stops reading cannot hold a stream: each write (event or keepalive) may wait at most
+`--sse-send-timeout-s` for the socket to take it; past that the stream ends as if the client had
+disconnected (its generator is closed, so a plain stream's request is aborted and a detached run
+goes on under its lease) and the connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from sse_starlette.event import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SEND_TIMEOUT_S = 60.0  # ServerSettings.sse_send_timeout_s, for an app without settings
 
 # Characters that str.splitlines() (and so the openai SDK's SSE decoder, and httpx's iter_lines)
 # takes for line ends although SSE does not: raw inside a data line they cut one event in two. JSON
@@ -87,8 +97,30 @@ def sse_response(events: AsyncIterator[dict[str, Any]], *, keepalive_s: float, h
     if not numbered:
         events = _plain(events)
     factory = keepalive or (Keepalive if numbered else PlainKeepalive)
-    return EventSourceResponse(events, ping=keepalive_s, ping_message_factory=factory,
-                               headers={**headers, "Cache-Control": "no-cache"})
+    return TimedEventSourceResponse(events, ping=keepalive_s, ping_message_factory=factory,
+                                    headers={**headers, "Cache-Control": "no-cache"})
+
+
+class TimedEventSourceResponse(EventSourceResponse):
+    """sse-starlette's response with a send timeout (the app's `sse_send_timeout_s` unless given),
+    whose expiry ends the stream quietly instead of escaping to the server as an exception."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.send_timeout is None:
+            self.send_timeout = _send_timeout_of(scope)
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            client = scope.get("client")
+            logger.warning("%s %s: the client %s took no data for %.0f s; the stream is dropped and the connection "
+                           "closed", scope.get("method"), scope.get("path"), f"{client[0]}:{client[1]}" if client else "",
+                           self.send_timeout)
+
+
+def _send_timeout_of(scope: Any) -> float:
+    app = scope.get("app")
+    ctx = getattr(getattr(app, "state", None), "ctx", None)
+    return float(getattr(getattr(ctx, "settings", None), "sse_send_timeout_s", DEFAULT_SEND_TIMEOUT_S))
 
 
 async def _plain(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:

@@ -60,18 +60,44 @@ def _kernel_tiers() -> list[str]:
 KERNEL_TIERS = _kernel_tiers()
 
 
+# The engine-level invariance tests (determinism, speculative decoding, MoE): the host's tier and the
+# lowest (AVX2) in `make test`, every tier between (AVX512-VNNI, AVX2 + AVX-VNNI) in `make test-all`.
+FAST_ENGINE_TIERS = list(dict.fromkeys([KERNEL_TIERS[0], KERNEL_TIERS[-1]])) if KERNEL_TIERS else []
+ENGINE_TIER_PARAMS = [pytest.param(t, marks=() if t in FAST_ENGINE_TIERS else pytest.mark.slow) for t in KERNEL_TIERS]
+
+
+def require_kernels(tier: str):
+    """The proven C++ kernels of `tier`, a tier this CPU runs. A tier whose kernels do not build, fail
+    a start-up self-check, or whose batch-invariant matmul fails its own (the engine would then run
+    torch / oneDNN ops and its determinism promise would not hold) fails the test: never a skip."""
+    from chatserve.kernels.cpu import kernel_problem, load_cpu_kernels
+
+    problem = kernel_problem(tier)
+    if problem is not None:
+        pytest.fail(f"{tier}: {problem}", pytrace=False)
+    return load_cpu_kernels(tier=tier)
+
+
+@contextlib.contextmanager
+def compute_threads(n: int):
+    """torch's compute threads, which the C++ kernels split their work over too (at::get_num_threads),
+    set to `n` for the block whatever the process had (`make test` runs each worker with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        assert torch.get_num_threads() == n
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", params=KERNEL_TIERS or ["none"])
 def kernels(request):
     """The compiled C++ kernels of each tier this CPU runs (one test per tier), or a skip where the
-    CPU has no tier (no AVX2) or the compiler is missing."""
-    from chatserve.kernels.cpu import load_cpu_kernels
-
+    CPU has no tier (no AVX2); kernels that do not build or fail a self-check fail the test."""
     if request.param == "none":
         pytest.skip("no kernel tier on this CPU (needs AVX2 + FMA): the engine uses torch ops instead")
-    k = load_cpu_kernels(tier=request.param)
-    if k is None:
-        pytest.skip(f"the {request.param} kernels could not be built here (no compiler?): the engine uses torch ops")
-    return k
+    return require_kernels(request.param)
 
 
 @pytest.fixture(scope="session")

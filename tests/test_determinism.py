@@ -10,13 +10,13 @@ the host's own kernel tier only (the HTTP path is tier-independent code).
 
 This holds because every op computes a row from that row alone in a fixed order: the quantized and
 the packed bf16 matmuls, the paged attention kernel, the C++ norms, rotary and silu*up, and the
-sampler (tests/test_row_invariance.py). It needs the C++ kernels, so the module runs at the host's
-own kernel tier and at the lowest one, AVX2 (issue 30: what an AVX2-only host runs, forced here). The
-tiers between (AVX512-VNNI, AVX2 + AVX-VNNI) are built from the same kernel sources, and each op's batch
-invariance is checked at every tier this CPU runs by test_batch_invariant_matmul.py,
-test_cpu_attention.py, test_row_invariance.py and the quantized and MoE tests; running the whole
-engine at each of them too cost ~40 s a tier. Without AVX2 the torch/oneDNN path is not
-batch-invariant and the module is skipped.
+sampler (tests/test_row_invariance.py), however the work is split over threads: (3) runs again at 2
+compute threads against (1) at 1 (forced here; `make test` gives each worker one). It needs the C++
+kernels, so the module runs at the host's own kernel tier and at the lowest one, AVX2 (issue 30: what
+an AVX2-only host runs, forced here), in `make test`, and at every tier between (AVX512-VNNI, AVX2 +
+AVX-VNNI) in `make test-all` (~40 s a tier). The other families' forward paths (Gemma, Phi-3, MoE):
+tests/test_determinism_families.py. Without AVX2 the torch/oneDNN path is not batch-invariant and the
+module is skipped; a tier whose kernels fail to build or fail a self-check fails it.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import openai
 import pytest
 
 from chatserve import LLM, SamplingParams
-from chatserve.kernels.cpu import load_cpu_kernels
 
-from .conftest import KERNEL_TIERS
+from .conftest import ENGINE_TIER_PARAMS, KERNEL_TIERS, compute_threads, require_kernels
 from .helpers.server import ServerProcess, start_server
 
 pytestmark = pytest.mark.timeout(1800)
@@ -53,8 +52,6 @@ QUESTIONS = [
 ]
 CONVERSATIONS = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
 TOKENS = 24
-# The host's tier and the lowest (AVX2), once each (see the module docstring).
-ENGINE_TIERS = list(dict.fromkeys([KERNEL_TIERS[0], KERNEL_TIERS[-1]])) if KERNEL_TIERS else []
 GREEDY = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
 
 
@@ -80,10 +77,11 @@ class LayoutSpy:
         return self._prepare(layout, device)
 
 
-@pytest.fixture(scope="module", params=ENGINE_TIERS or ["none"])
+@pytest.fixture(scope="module", params=ENGINE_TIER_PARAMS or ["none"])
 def tier(request) -> str:
-    if request.param == "none" or load_cpu_kernels(tier=request.param) is None:
+    if request.param == "none":
         pytest.skip("batch invariance needs the C++ kernels (a CPU with AVX2 or better); torch/oneDNN ops depend on the batch")
+    require_kernels(request.param)  # (a tier that fails to build or a self-check fails here, never skips)
     return request.param
 
 
@@ -92,6 +90,7 @@ def llm(tier):
     engine = LLM(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512, cpu_kernel_tier=tier)
     ops = engine.engine.runner.ops
     assert "paged attention" in ops.describe() and ops.cpu is not None and ops.cpu.tier == tier
+    assert ops.batch_invariant and engine.engine.stats()["batch_invariant"], ops.invariance()
     return engine
 
 
@@ -101,6 +100,12 @@ def alone(llm):
     served from the prefix cache. Returns {kind: {"empty": [...], "cached": [...]}} of token lists,
     and the greedy replies' text under "text"."""
     runs: dict = {"greedy": {"empty": [], "cached": []}, "seeded": {"empty": [], "cached": []}, "text": []}
+    with compute_threads(1):
+        _alone(llm, runs)
+    return runs
+
+
+def _alone(llm, runs: dict) -> None:
     for i, conv in enumerate(CONVERSATIONS):
         for kind, params in (("greedy", GREEDY), ("seeded", seeded(i))):
             llm.engine.reset_prefix_cache()
@@ -112,7 +117,6 @@ def alone(llm):
             runs[kind]["cached"].append(again.outputs[0].token_ids)
             if kind == "greedy":
                 runs["text"].append(first.outputs[0].text)
-    return runs
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +142,17 @@ def test_one_batch_agrees_with_each_alone(llm, alone):
         outs = [o.outputs[0].token_ids for o in llm.chat(CONVERSATIONS * 2, params)]
         assert outs[: len(CONVERSATIONS)] == alone["greedy"]["empty"], reset
         assert outs[len(CONVERSATIONS) :] == alone["seeded"]["empty"], reset
+
+
+def test_one_batch_at_two_threads_agrees_with_each_alone_at_one(llm, alone):
+    """(3) again with the work split over 2 compute threads (the kernels split rows, columns and
+    attention tiles by the thread count): the tokens of each request alone at 1 thread."""
+    params = [GREEDY] * len(CONVERSATIONS) + [seeded(i) for i in range(len(CONVERSATIONS))]
+    llm.engine.reset_prefix_cache()
+    with compute_threads(2):
+        outs = [o.outputs[0].token_ids for o in llm.chat(CONVERSATIONS * 2, params)]
+    assert outs[: len(CONVERSATIONS)] == alone["greedy"]["empty"]
+    assert outs[len(CONVERSATIONS) :] == alone["seeded"]["empty"]
 
 
 def test_a_batch_mixed_with_long_chunked_prefills_agrees(llm, alone):

@@ -10,9 +10,10 @@ a wrong norm, routing rule, expert-to-weight mapping or dense/sparse choice chan
 - float32, safetensors and GGUF: greedy tokens identical to transformers, and the final logits close;
 - bf16, and Q8_0 blocks through the quantized kernels: logprob drift against transformers' float32
   within stated bounds;
-- batch invariance (issue 20) on every kernel tier this CPU runs: a prompt alone and in a batch
-  gives the same tokens and the same logprob bits, and the MoE layer gives a row the same bits
-  whatever other rows (and so other tokens of each expert's group) share the call.
+- batch invariance (issue 20) on the host's tier and AVX2 (`make test`; the tiers between in `make
+  test-all`), at 1 and 2 compute threads (forced): a prompt alone and in a batch gives the same tokens
+  and the same logprob bits, and the MoE layer gives a row the same bits whatever other rows (and so
+  other tokens of each expert's group) share the call and however the threads split it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from chatserve import LLM, SamplingParams
 from chatserve.layers.moe import FusedMoE, route
 from chatserve.models.config import ModelConfig, MoEConfig
 
-from .conftest import KERNEL_TIERS
+from .conftest import ENGINE_TIER_PARAMS, compute_threads, require_kernels
 from .helpers.moe_models import EXPERTS, FAMILIES, TOP_K, write_moe_gguf, write_tiny_moe
 from .helpers.tiny_gguf import Q8_0
 from .test_equivalence_hf import final_logits, hf_greedy
@@ -171,16 +172,12 @@ def test_bf16_and_q8_0_logprobs_close(family, moe_folder, moe_gguf, hf_model):
                   f"{family} Q8_0 ({quantized.engine.runner.ops.linear.description}) vs de-quantised bf16")
 
 
-# the host's best tier and the lowest one it can force (AVX2): the two arithmetic families
-BATCH_TIERS = sorted(set(KERNEL_TIERS[:1] + KERNEL_TIERS[-1:]), key=KERNEL_TIERS.index)
-
-
-@pytest.fixture(scope="module", params=BATCH_TIERS or ["none"])
+# the host's best tier and the lowest one it can force (AVX2) in make test, the tiers between in make test-all
+@pytest.fixture(scope="module", params=ENGINE_TIER_PARAMS or ["none"])
 def tier(request) -> str:
-    from chatserve.kernels.cpu import load_cpu_kernels
-
-    if request.param == "none" or load_cpu_kernels(tier=request.param) is None:
+    if request.param == "none":
         pytest.skip("batch invariance needs the C++ kernels (a CPU with AVX2 or better); torch/oneDNN ops depend on the batch")
+    require_kernels(request.param)  # (kernels that fail to build or a self-check fail the test, never skip it)
     return request.param
 
 
@@ -191,24 +188,32 @@ def _tokens_and_logprobs(outputs) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize(("family", "quantized"), [("mixtral", False), ("qwen3_moe", True)])
 def test_batch_invariant(family, quantized, tier, moe_folder, moe_gguf):
-    """A prompt alone, and in a batch with the others (so its tokens share experts' row groups with
-    other prompts' tokens, at every prefill and decode step): the same tokens and logprob bits."""
+    """A prompt alone at 1 compute thread, and in a batch with the others (so its tokens share experts'
+    row groups with other prompts' tokens, at every prefill and decode step) at 1 and at 2 threads:
+    the same tokens and logprob bits."""
     path = moe_gguf(family) if quantized else moe_folder(family)
     llm = _engine(path, "bfloat16", cpu_kernel_tier=tier, quantization="gguf" if quantized else "auto")
     assert llm.engine.runner.ops.cpu is not None and llm.engine.runner.ops.cpu.tier == tier
+    assert llm.engine.batch_invariant, llm.engine.runner.ops.invariance()
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     requests = [{"prompt_token_ids": ids} for ids in PROMPTS[:3]]
-    alone = [_tokens_and_logprobs(llm.generate([r], params))[0] for r in requests]
-    batched = _tokens_and_logprobs(llm.generate(requests, params))
+    with compute_threads(1):
+        alone = [_tokens_and_logprobs(llm.generate([r], params))[0] for r in requests]
     assert len({tuple(t) for t, _ in alone}) == len(requests), "a degenerate model: prompts give the same tokens"
-    assert batched == alone
+    for threads in (1, 2):
+        with compute_threads(threads):
+            assert _tokens_and_logprobs(llm.generate(requests, params)) == alone, f"{threads} threads"
 
-    # the layer itself: each row alone against every batch it is part of (other rows, other groupings)
+    # the layer itself: each row alone (1 thread) against every batch it is part of (other rows, other
+    # groupings), at 1 and 2 threads
     layer = _moe_layers(llm)[0]
     x = (torch.randn(70, layer.gate.in_features, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
-    one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-    for start, rows in ((0, 70), (3, 7), (10, 33), (69, 1)):
-        assert torch.equal(layer(x[start : start + rows]), one_by_one[start : start + rows]), (start, rows)
+    with compute_threads(1):
+        one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    for threads in (1, 2):
+        with compute_threads(threads):
+            for start, rows in ((0, 70), (3, 7), (10, 33), (69, 1)):
+                assert torch.equal(layer(x[start : start + rows]), one_by_one[start : start + rows]), (threads, start, rows)
     llm.engine.check_integrity()
 
 

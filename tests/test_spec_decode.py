@@ -247,6 +247,26 @@ def test_seeded_sampling_and_logprobs_are_identical(llm_default, llm_spec):
     _assert_no_leak(llm_spec)
 
 
+def test_verification_split_over_two_threads_gives_plain_decodings_bits(llm_default, llm_spec):
+    """Verification rows with the work split over 2 compute threads (forced; `make test` gives each
+    worker one) against plain decoding at 1 thread: the same tokens and logprobs, greedy and seeded."""
+    from .conftest import compute_threads
+
+    assert llm_spec.engine.stats()["spec_decode"]["exact"] and llm_default.engine.batch_invariant
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=0.7, top_p=0.95, seed=11, max_tokens=48, ignore_eos=True, logprobs=1)
+    with compute_threads(1):
+        plain = [llm_default.chat(COPY, p)[0].outputs[0] for p in (greedy, seeded)]
+    before = _spec_stats(llm_spec)["num_accepted_tokens"]
+    with compute_threads(2):
+        spec = [llm_spec.chat(COPY, p)[0].outputs[0] for p in (greedy, seeded)]
+    assert _spec_stats(llm_spec)["num_accepted_tokens"] > before, "no draft was accepted: the test proves nothing"
+    for s, p in zip(spec, plain):
+        assert list(s.token_ids) == list(p.token_ids)
+        assert [sorted(e.items()) for e in s.logprobs] == [sorted(e.items()) for e in p.logprobs]
+    _assert_no_leak(llm_spec)
+
+
 def test_stop_strings_max_tokens_and_opt_out(llm_default, llm_spec):
     for p in (
         SamplingParams(temperature=0, max_tokens=200, stop=["tax"], ignore_eos=True),

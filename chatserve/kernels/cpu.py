@@ -80,6 +80,11 @@ class CpuKernels:
     amx: AmxMatmul | None = None  # where the CPU has AMX tiles (and the OS lets us use them)
     # x[M, K] . w[N, K]^T (+ bias) over plain weights: the older AVX512-BF16 kernel (CHATSERVE_LINEAR=legacy)
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    # Gemma's ops (every tier builds them; None only for a hand-made CpuKernels): bf16 [M, 2I] gate|up ->
+    # gelu_tanh(gate) * up; RMSNorm of bf16 rows with an fp32 weight (1 + w); fp32 x = tanh(x / cap) * cap in place
+    gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rms_norm_f32w: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    softcap_: Callable[[torch.Tensor, float], None] | None = None
 
 
 def load_cpu_kernels(amx: bool = True, tier: str = "auto") -> CpuKernels | None:
@@ -93,6 +98,26 @@ def load_cpu_kernels(amx: bool = True, tier: str = "auto") -> CpuKernels | None:
     if chosen is None:
         return None
     return _load(chosen.name, amx and not chosen.tiered)
+
+
+# tier name -> why its kernels are unusable here (a failed build or self-check), for kernel_problem()
+_PROBLEMS: dict[str, str] = {}
+
+
+def kernel_problem(tier: str = "auto") -> str | None:
+    """Why the kernels of `tier` (a tier this CPU runs) do not give the whole batch-invariant set,
+    or None where they do: they failed to build or a self-check (load_cpu_kernels gave None), or the
+    batch-invariant matmul failed its own check (the engine would then use oneDNN). For the test
+    suite, where such a tier must fail, not skip, and for the engine's start-up log."""
+    kernels = load_cpu_kernels(tier=tier)
+    chosen = select_tier(tier)
+    if chosen is None:
+        return "this CPU runs no kernel tier (needs AVX2 + FMA + F16C)"
+    if kernels is None:
+        return _PROBLEMS.get(chosen.name, f"the {chosen.name} kernels could not be built (see the log)")
+    if kernels.gemm is None:
+        return f"the {chosen.name} batch-invariant matmul failed its self-check (oneDNN would run instead)"
+    return None
 
 
 @functools.cache
@@ -109,13 +134,16 @@ def _load(tier: str, amx: bool) -> CpuKernels | None:
 
             kernels = build_avx512_bf16_kernels(amx)
         if kernels is None:
+            _PROBLEMS[tier] = f"the {tier} kernels could not be built (no compiler? see the log)"
             return None
         verify_rms_norm(kernels.rms_norm)
         verify_paged_attention(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
         verify_fused(kernels.silu_mul, kernels.rope_inplace, kernels.add_rms_norm)
+        verify_gemma_ops(kernels)
         return kernels
     except Exception as exc:  # wrong results or an unusual platform: the slower path still works
         logger.warning("%s CPU kernels unusable here (%s); using torch ops", tier, exc)
+        _PROBLEMS[tier] = f"the {tier} kernels failed their self-check: {exc}"
         return None
 
 
@@ -166,6 +194,36 @@ def verify_fused(silu_mul: Callable[..., torch.Tensor], rope_inplace: Callable[.
     out = add_rms_norm(x, residual, w, 1e-5)
     if not (torch.equal(residual, summed) and torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)):
         raise RuntimeError("add_rms_norm kernel gave wrong results")
+
+
+def verify_gemma_ops(kernels: CpuKernels) -> None:
+    """GeGLU, the fp32-weight RMSNorm and the soft-cap against torch, at widths with a partial vector
+    (every width is a kernel shape), and each the same bits for a row alone as in the batch."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    if kernels.gelu_tanh_mul is not None:
+        x = (torch.randn(5, 2 * 37, generator=gen) * 3).to(torch.bfloat16)
+        out = kernels.gelu_tanh_mul(x)
+        ref = F.gelu(x[:, :37].float(), approximate="tanh") * x[:, 37:].float()
+        if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) or not torch.equal(kernels.gelu_tanh_mul(x[3:4]), out[3:4]):
+            raise RuntimeError("gelu_tanh_mul kernel gave wrong results")
+    if kernels.rms_norm_f32w is not None:
+        x = (torch.randn(5, 53, generator=gen) * 3).to(torch.bfloat16)
+        w = torch.rand(53, generator=gen) + 0.5
+        out = kernels.rms_norm_f32w(x, w, 1e-6)
+        ref = F.rms_norm(x.float(), (53,), w, 1e-6)
+        if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) or not torch.equal(kernels.rms_norm_f32w(x[2:3], w, 1e-6), out[2:3]):
+            raise RuntimeError("rms_norm_f32w kernel gave wrong results")
+    if kernels.softcap_ is not None:
+        x = torch.randn(3, 1001, generator=gen) * 40
+        ref = torch.tanh(x / 30.0) * 30.0
+        out = x.clone()
+        kernels.softcap_(out, 30.0)
+        row = x[1:2].clone()
+        kernels.softcap_(row, 30.0)
+        if not torch.allclose(out, ref, atol=1e-4, rtol=1e-5) or not torch.equal(row, out[1:2]):
+            raise RuntimeError("softcap kernel gave wrong results")
 
 
 def verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:

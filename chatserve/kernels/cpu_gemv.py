@@ -55,7 +55,8 @@ def build_avx512_bf16_kernels(amx: bool = True) -> CpuKernels | None:
                       paged_attention=ext.paged_attention_bf16, store_kv_paged=ext.store_kv_paged_bf16,
                       store_kv=ext.store_kv_bf16, silu_mul=ext.silu_mul_bf16, rope_inplace=ext.rope_inplace_bf16,
                       add_rms_norm=ext.add_rms_norm_bf16, huge_page_zeros=ext.huge_page_zeros,
-                      release_free_memory=ext.release_free_memory, gemm=gemm,
+                      release_free_memory=ext.release_free_memory, gemm=gemm, gelu_tanh_mul=ext.gelu_tanh_mul_bf16,
+                      rms_norm_f32w=ext.rms_norm_f32w_bf16, softcap_=ext.softcap_f32_,
                       amx=_load_amx(ext) if amx else None)
 
 

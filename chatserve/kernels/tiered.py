@@ -26,4 +26,5 @@ def build_tiered_cpu_kernels(tier: KernelTier) -> CpuKernels | None:
                       silu_mul=fused.silu_mul_bf16, rope_inplace=fused.rope_inplace_bf16,
                       huge_page_zeros=fused.huge_page_zeros, release_free_memory=fused.release_free_memory,
                       paged_attention=attention.paged_attention_bf16, store_kv_paged=attention.store_kv_paged_bf16,
-                      store_kv=attention.store_kv_bf16, gemm=packed)
+                      store_kv=attention.store_kv_bf16, gemm=packed, gelu_tanh_mul=fused.gelu_tanh_mul_bf16,
+                      rms_norm_f32w=fused.rms_norm_f32w_bf16, softcap_=fused.softcap_f32_)

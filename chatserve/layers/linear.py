@@ -152,6 +152,8 @@ class LinearMethod(ABC):
     """How a `Linear` stores its weight and computes x @ W.T (+ bias)."""
 
     description: str
+    # a row's result the same bits whatever the row count of the call and the thread split
+    batch_invariant: bool = False
 
     def reserve(self, layer: Linear) -> None:  # noqa: B027 - most methods need no space
         """Called at construction, when the weight's shape is known (and nothing is allocated)."""
@@ -232,6 +234,8 @@ class PackedGemmLinearMethod(LinearMethod):
     dropped); one kernel for every row count, nothing cached per shape, and a row's result the same
     bits whatever else is in the call. A tied embedding reads its rows back from the packed copy."""
 
+    batch_invariant = True
+
     def __init__(self, kernels: CpuKernels, arena: WeightArena) -> None:
         assert kernels.gemm is not None
         self.gemm: PackedGemm = kernels.gemm
@@ -268,6 +272,7 @@ class AmxLinearMethod(LinearMethod):
     row count, so nothing is cached per shape (unlike oneDNN)."""
 
     description = "AMX tiles over packed weights (one huge-page arena)"
+    batch_invariant = True
 
     def __init__(self, kernels: CpuKernels, arena: WeightArena) -> None:
         assert kernels.amx is not None

@@ -7,14 +7,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from chatserve.kernels.cpu import CpuKernels
+from chatserve.layers.fallbacks import Fallback
 
 
 class RMSNorm(nn.Module):
     """Computed in float32 and cast back before the weight, as transformers does (bit-exact in fp32).
 
     `kernels` (the C++ bf16 kernels, or None) decides at construction what bf16 rows run on: the
-    C++ pass at every row count (one row's arithmetic whatever the batch: a row must not round
-    differently at 65 rows than at 64, issue 20; it threads over rows above 64), torch's ops otherwise.
+    C++ pass at every row count and width (one row's arithmetic whatever the batch: a row must not
+    round differently at 65 rows than at 64, issue 20; it threads over rows above 64), torch's ops
+    otherwise. Inputs of more than two dims (Qwen3's per-head q/k norms over [T, heads, head_dim])
+    run as rows of their last dim.
     """
 
     def __init__(self, dim: int, eps: float, kernels: CpuKernels | None = None) -> None:
@@ -22,13 +25,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self._kernel = kernels.rms_norm if kernels is not None else None
-        self._kernel_add = kernels.add_rms_norm if kernels is not None and dim % 16 == 0 else None
+        self._kernel_add = kernels.add_rms_norm if kernels is not None else None
+
+    def kernel_fallbacks(self) -> list[Fallback]:
+        return []  # every width and rank runs the kernel; without kernels the whole path is torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype != torch.float32:
-            if self._kernel is not None and x.dim() == 2:
-                return self._kernel(x, self.weight, self.eps)
+            if self._kernel is not None:
+                if x.dim() == 2:
+                    return self._kernel(x, self.weight, self.eps)
+                return self._kernel(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             # one fused op; differs from the formula below by at most one bf16 ulp
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()

@@ -88,6 +88,9 @@ class QuantizedLinearMethod(LinearMethod):
         self.gemm = gemm
         self.int8 = int8
         self.kernels = kernels  # for the huge-page arena (None: each packed weight its own allocation)
+        # the compiled kernels of a tier and the batch-invariant matmul for bf16 rows (the torch reference and
+        # F.linear split their sums by the thread count)
+        self.batch_invariant = getattr(quant, "tier", None) is not None and gemm is not None
         kind = "int8 per channel" if int8 else "GGUF blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K)"
         arena = "; one huge-page arena" if kernels is not None else ""
         self.description = f"quantized {kind}: {getattr(quant, 'description', 'avx512-vnni kernels, int8 activations')}{arena}"

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from chatserve.kernels.cpu import CpuKernels
+from chatserve.layers.fallbacks import Fallback
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int, *, layer_type: str | None = None,
@@ -83,8 +84,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class QKRotary:
     """Rotates q and k of a fused q|k|v projection output; which implementation is fixed at
-    construction: the C++ bf16 pass that rotates them in place inside the projection's output
-    (no q/k norms, head_dim a multiple of 32), or q/k RMSNorm (Qwen3) then `apply_rotary`."""
+    construction. With the C++ bf16 kernels, every shape runs them: without q/k norms the rotation
+    happens in place inside the projection's output; with them (Qwen3, OLMoE, Gemma 3) the norms run
+    as the norm kernels over rows and the normed q|k are rotated in one fresh buffer; a partial
+    rotary (Phi-4-mini) rotates the first dims of each head as rows of their own (each head's cos/sin
+    repeated: copies, exact). Without kernels: q/k RMSNorm then `apply_rotary` (torch)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, qk_norm: tuple[nn.Module, nn.Module] | None,
                  kernels: CpuKernels | None, rotary_dim: int = 0, qk_norm_full: bool = False,
@@ -96,19 +100,27 @@ class QKRotary:
         self.qk_norm_full, self.clip_qkv = qk_norm_full and qk_norm is not None, clip_qkv
         if clip_qkv is not None and not self.qk_norm_full:
             raise ValueError("clip_qkv is implemented for OLMoE's whole-projection q/k norms only")
-        fits = qk_norm is None and head_dim % 32 == 0 and rotary_dim in (0, head_dim)
+        self.rotary_dim = rotary_dim or head_dim
+        fits = self.rotary_dim % 2 == 0 and self.rotary_dim <= head_dim
         self._kernel = kernels.rope_inplace if kernels is not None and fits else None
+        self._in_place = self._kernel is not None and qk_norm is None and self.rotary_dim == head_dim
+        self._fallback = None if kernels is None or fits else f"rotary over {self.rotary_dim} of {head_dim} dims: torch ops"
         self._heads = [num_heads, num_kv_heads, num_kv_heads]  # q|k|v heads, as split_with_sizes takes them
+
+    def kernel_fallbacks(self) -> list[Fallback]:
+        return [] if self._fallback is None else [Fallback("rotary", self._fallback)]
 
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D], rotated k [T, KVH, D], v [T, KVH, D]."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self._kernel is not None and qkv.dtype == torch.bfloat16:
+        if self._in_place and qkv.dtype == torch.bfloat16:
             self._kernel(qkv, cos, sin, h + kvh, d)
             # NOTE: one view and one split into q, k, v (the same views as splitting twice): this runs
             # every layer of every step, and each torch view op costs microseconds of Python.
             q, k, v = qkv.view(qkv.shape[0], h + 2 * kvh, d).split_with_sizes(self._heads, dim=1)
             return q, k, v
+        if self._kernel is not None and qkv.dtype == torch.bfloat16:
+            return self._kernel_rotate(qkv, cos, sin)
         t = qkv.shape[0]
         if self.qk_norm_full:
             return self._full_norm(qkv, cos, sin)
@@ -120,6 +132,33 @@ class QKRotary:
         # q and k rotate together: one set of elementwise ops instead of two
         q, k = apply_rotary(qk, cos, sin).split([h, kvh], dim=1)
         return q, k, v.view(t, kvh, d)
+
+    def _kernel_rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel path for q/k norms and partial rotary: q|k (normed, clamped) in one contiguous
+        buffer [T, (H + KVH) * D], rotated in place there."""
+        assert self._kernel is not None
+        h, kvh, d, t = self.num_heads, self.num_kv_heads, self.head_dim, qkv.shape[0]
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        if self.qk_norm is None:
+            qk = qkv[:, : (h + kvh) * d].contiguous()
+        else:
+            if self.qk_norm_full:  # OLMoE: one norm over all of q (all of k), then the clamp
+                q, k = self.qk_norm[0](q), self.qk_norm[1](k)
+                if self.clip_qkv is not None:
+                    c = self.clip_qkv
+                    q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+            else:  # per head: rows of head_dim
+                q, k = self.qk_norm[0](q.reshape(t * h, d)), self.qk_norm[1](k.reshape(t * kvh, d))
+            qk = torch.cat((q.reshape(t, h * d), k.reshape(t, kvh * d)), dim=1)
+        rot = self.rotary_dim
+        if rot == d:
+            self._kernel(qk, cos, sin, h + kvh, d)
+        else:  # each head's first `rot` dims as a row of its own, each with its position's cos/sin
+            rows = qk.view(t * (h + kvh), d)[:, :rot]
+            self._kernel(rows, cos.reshape(t, rot).repeat_interleave(h + kvh, dim=0),
+                         sin.reshape(t, rot).repeat_interleave(h + kvh, dim=0), 1, rot)
+        q, k = qk.view(t, h + kvh, d).split([h, kvh], dim=1)
+        return q, k, v.reshape(t, kvh, d)
 
     def _full_norm(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """OLMoE: RMSNorm over all of q and all of k (one weight of H*D / KVH*D values), then the clamp."""

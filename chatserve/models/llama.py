@@ -17,6 +17,7 @@ from torch import nn
 from chatserve.attention.base import AttentionBackend
 from chatserve.forward_batch import ForwardBatch
 from chatserve.layers.activation import GeluTanhAndMul, SiluAndMul
+from chatserve.layers.fallbacks import Fallback
 from chatserve.layers.linear import Linear
 from chatserve.layers.moe import FusedMoE
 from chatserve.layers.norm import RMSNorm
@@ -51,6 +52,9 @@ class Attention(nn.Module):
         self.attn: AttentionBackend = ops.attention
         self._qkv_proj, self._o_proj = direct(self.qkv_proj), direct(self.o_proj)
 
+    def kernel_fallbacks(self) -> list[Fallback]:
+        return self.rotate.kernel_fallbacks()
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.rotate(self._qkv_proj(x), *rope)
@@ -63,7 +67,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, ops.linear)
         self.act = (SiluAndMul(cfg.intermediate_size, ops.cpu) if cfg.hidden_act == "silu"
-                    else GeluTanhAndMul(cfg.intermediate_size))
+                    else GeluTanhAndMul(cfg.intermediate_size, ops.cpu))
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops.linear)
         self._gate_up_proj, self._act, self._down_proj = direct(self.gate_up_proj), direct(self.act), direct(self.down_proj)
 
@@ -205,10 +209,24 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.logits(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the last hidden states (final norm, lm_head, the config's soft-cap)."""
-        logits = self.lm_head(self.norm(h)).float()
+        """float32 logits of the last hidden states (final norm, lm_head, the config's soft-cap: the
+        C++ kernel in place where the kernels are loaded, one fixed computation per element)."""
+        out = self.lm_head(self.norm(h))
+        logits = out.float()
         cap = self.config.final_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        if not cap:
+            return logits
+        softcap = self.ops.cpu.softcap_ if self.ops.cpu is not None else None
+        if softcap is not None and logits is not out and logits.is_contiguous():  # (a fresh fp32 copy: ours to change)
+            softcap(logits, cap)
+            return logits
+        return torch.tanh(logits / cap) * cap
+
+    def kernel_fallbacks(self) -> list[Fallback]:
+        """What this model's own code runs outside the kernels (the layers report theirs)."""
+        if self.config.final_softcap and self.ops.cpu is not None and self.ops.cpu.softcap_ is None:
+            return [Fallback("final soft-cap", "these kernels have no softcap_: torch's tanh")]
+        return []
 
     @torch.inference_mode()
     def process_weights(self) -> None:

@@ -83,6 +83,9 @@ class ModelRunner:
         # that every parameter is filled).
         with torch.device("meta"):
             model = model_cls(model_config, max_model_len, ops)
+        # what the built layers run outside the kernel tier, said once at start (LayerOps.batch_invariant)
+        ops.audit(model)
+        ops.log_fallbacks()
         model = _materialise(model.to(dtype), device)
         model.rotary = RotaryEmbedding(model_config.hf_config, model_config.head_dim, max_model_len).to(device)
 

@@ -228,6 +228,9 @@ torch::Tensor silu_mul_bf16(torch::Tensor x);
 void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor gelu_tanh_mul_bf16(torch::Tensor x);
+torch::Tensor rms_norm_f32w_bf16(torch::Tensor x, torch::Tensor w, double eps);
+void softcap_f32_(torch::Tensor x, double cap);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
@@ -253,4 +256,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm", &bf16_gemm, "batch-invariant bf16 x W^T (+ bias) over a bf16_gemm-packed weight");
   m.def("bf16_dot_peak_gflops", &bf16_dot_peak_gflops, "register-only vdpbf16ps GFLOP/s on all threads");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows");
+  m.def("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16, "gelu_tanh(gate) * up of a bf16 [M, 2I] gate|up tensor");
+  m.def("rms_norm_f32w_bf16", &rms_norm_f32w_bf16, "RMSNorm of bf16 rows with an fp32 weight");
+  m.def("softcap_f32_", &softcap_f32_, "x = tanh(x / cap) * cap in place on fp32");
 }

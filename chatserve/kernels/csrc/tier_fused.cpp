@@ -60,6 +60,49 @@ void rms_norm_row(const bf16* row, const bf16* w, bf16* out, int64_t D, float ep
     store_part(out + d, cs::mul(cs::mul(load_part(row + d, D - d), rv), load_part(w + d, D - d)), D - d);
 }
 
+// out = row / rms(row) * w with an fp32 weight (Gemma's 1 + w, kept in fp32 so it is not rounded to
+// bf16): the sum of squares as rms_norm_row's, then (v * r) * w, rounded to bf16 once.
+void rms_norm_f32w_row(const bf16* row, const float* w, bf16* out, int64_t D, float eps) {
+  cs::VF ss = cs::zero();
+  for (int64_t d = 0; d < D; d += cs::kLanes) {
+    const cs::VF v = load_part(row + d, D - d);
+    ss = cs::fma(v, v, ss);
+  }
+  const float r = 1.0f / std::sqrt(cs::hsum(ss) / static_cast<float>(D) + eps);
+  const cs::VF rv = cs::set1(r);
+  for (int64_t d = 0; d < D; d += cs::kLanes) {
+    const int64_t left = D - d;
+    const cs::VF wv = left >= cs::kLanes ? cs::load(w + d) : cs::load_n(w + d, static_cast<int>(left));
+    store_part(out + d, cs::mul(cs::mul(load_part(row + d, left), rv), wv), left);
+  }
+}
+
+// tanh(x): Eigen's rational approximation (odd degree-13 over even degree-6 polynomial in x, the
+// input clamped to +-7.9053; |x| < 4e-4 returns x), max relative error ~4e-7. Only mul, fma, div
+// and compares: every lane of every call (tails included) takes the same steps, so an element's
+// result never depends on where it sits in a row, a batch or a thread's share.
+CS_INLINE cs::VF tanh_vf(cs::VF a) {
+  const cs::VF x = cs::max(cs::min(a, cs::set1(7.90531110763549805f)), cs::set1(-7.90531110763549805f));
+  const cs::VF x2 = cs::mul(x, x);
+  cs::VF p = cs::fma(x2, cs::set1(-2.76076847742355e-16f), cs::set1(2.00018790482477e-13f));
+  p = cs::fma(x2, p, cs::set1(-8.60467152213735e-11f));
+  p = cs::fma(x2, p, cs::set1(5.12229709037114e-08f));
+  p = cs::fma(x2, p, cs::set1(1.48572235717979e-05f));
+  p = cs::fma(x2, p, cs::set1(6.37261928875436e-04f));
+  p = cs::fma(x2, p, cs::set1(4.89352455891786e-03f));
+  p = cs::mul(x, p);
+  cs::VF q = cs::fma(x2, cs::set1(1.19825839466702e-06f), cs::set1(1.18534705686654e-04f));
+  q = cs::fma(x2, q, cs::set1(2.26843463243900e-03f));
+  q = cs::fma(x2, q, cs::set1(4.89352518554385e-03f));
+  return cs::select_lt(cs::abs(a), cs::set1(4e-4f), a, cs::div(p, q));
+}
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as torch's approximate="tanh"
+CS_INLINE cs::VF gelu_tanh(cs::VF g) {
+  const cs::VF inner = cs::mul(cs::set1(0.7978845608028654f), cs::fma(cs::mul(cs::mul(g, g), cs::set1(0.044715f)), g, g));
+  return cs::mul(cs::mul(cs::set1(0.5f), g), cs::add(cs::set1(1.0f), tanh_vf(inner)));
+}
+
 }  // namespace
 
 // RMSNorm over the last dim of a bf16 [M, D] tensor (any D).
@@ -133,6 +176,64 @@ torch::Tensor silu_mul_bf16(torch::Tensor x) {
   return y;
 }
 
+// x [M, 2I] = [gate | up] -> gelu_tanh(gate) * up, [M, I] (any I): Gemma's GeGLU, rounded once.
+torch::Tensor gelu_tanh_mul_bf16(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 2 == 0, "bf16 [M, 2I]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), I = x.size(1) / 2;
+  auto y = torch::empty({M, I}, x.options());
+  const bf16* xp = bits(x);
+  bf16* yp = mutable_bits(y);
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const bf16* gate = xp + m * 2 * I;
+      const bf16* up = gate + I;
+      for (int64_t i = 0; i < I; i += cs::kLanes)
+        store_part(yp + m * I + i, cs::mul(gelu_tanh(load_part(gate + i, I - i)), load_part(up + i, I - i)), I - i);
+    }
+  });
+  return y;
+}
+
+// RMSNorm of bf16 rows [M, D] (any D) with an fp32 weight [D] (Gemma's 1 + w), out bf16.
+torch::Tensor rms_norm_f32w_bf16(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat, "bf16 rows, fp32 weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "shape mismatch");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), D = x.size(1);
+  auto y = torch::empty_like(x);
+  const bf16* xp = bits(x);
+  const float* wp = w.data_ptr<float>();
+  bf16* yp = mutable_bits(y);
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) rms_norm_f32w_row(xp + m * D, wp, yp + m * D, D, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// x = tanh(x / cap) * cap, in place on fp32 logits (Gemma 2's final soft-cap). Elementwise with the
+// same steps for every element (the tail a partial vector), so any split of the work over threads
+// gives the same bits; the work is cut in whole vectors.
+void softcap_f32_(torch::Tensor x, double cap) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "contiguous fp32");
+  TORCH_CHECK(cap > 0, "cap must be positive");
+  float* p = x.data_ptr<float>();
+  const int64_t n = x.numel(), nvec = (n + cs::kLanes - 1) / cs::kLanes;
+  const float c = static_cast<float>(cap);
+  at::parallel_for(0, nvec, 4096, [&](int64_t v0, int64_t v1) {
+    const cs::VF cv = cs::set1(c);
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t i = v * cs::kLanes, left = n - i;
+      if (left >= cs::kLanes) {
+        cs::store(p + i, cs::mul(tanh_vf(cs::div(cs::load(p + i), cv)), cv));
+      } else {
+        cs::store_n(p + i, cs::mul(tanh_vf(cs::div(cs::load_n(p + i, static_cast<int>(left)), cv)), cv), static_cast<int>(left));
+      }
+    }
+  });
+}
+
 // Rotate-half rotary embedding, in place, on the first `num_heads` heads of each row of `x`
 // ([T, >= num_heads * D], rows may be strided, e.g. the q|k part of a fused qkv projection).
 // cos, sin: bf16 [T, D] (or [T, 1, D]) for each row's position, as the torch path rounds them.
@@ -200,6 +301,9 @@ inline void register_fused(py::module& m) {
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x, then RMSNorm of the residual");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a bf16 [M, 2I] gate|up tensor");
   m.def("rope_inplace_bf16", &rope_inplace_bf16, "rotate-half rotary embedding, in place");
+  m.def("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16, "gelu_tanh(gate) * up of a bf16 [M, 2I] gate|up tensor");
+  m.def("rms_norm_f32w_bf16", &rms_norm_f32w_bf16, "RMSNorm of bf16 rows with an fp32 weight");
+  m.def("softcap_f32_", &softcap_f32_, "x = tanh(x / cap) * cap in place on fp32");
   m.def("huge_page_zeros", &huge_page_zeros, "zeroed bf16 memory advised for transparent huge pages");
   m.def("release_free_memory", &release_free_memory, "malloc_trim: return freed heap pages to the OS");
   m.def("lanes", [] { return cs::kLanes; }, "fp32 lanes of this build's vectors");

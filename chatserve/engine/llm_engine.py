@@ -172,9 +172,11 @@ class LLMEngine:
         self.spec: SpecProposer | None = None
         if self.speculative_config is not None:
             self.spec = make_proposer(self.speculative_config, max_len)
-            if ops.cpu is None:
-                logger.warning("speculative decoding on %s: this path is not batch-invariant, so verified tokens equal "
-                               "plain decoding's only up to float rounding (exact on the CPU kernel tiers)", ops.describe())
+            if not ops.batch_invariant:  # (LayerOps: every op of the forward pass, fallbacks included)
+                logger.warning("speculative decoding on %s: this path is not batch-invariant (%s), so verified tokens "
+                               "equal plain decoding's only up to float rounding (exact where the whole forward pass "
+                               "runs on a CPU kernel tier)", ops.describe(),
+                               "; ".join(f.describe() for f in ops.fallbacks if not f.invariant))
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, args.max_prefill_tokens_while_decoding),
             self.block_manager,
@@ -204,6 +206,13 @@ class LLMEngine:
             self.served_model_name, self.model_config.architecture, self.dtype, self.load_seconds,
             max_len, pool.num_blocks, pool.block_size, pool.num_tokens,
         )
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this engine's whole forward pass is batch- and thread-invariant (LayerOps.batch_invariant):
+        greedy and seeded outputs then do not depend on the batch, the prefix cache or the thread count, and
+        speculative decoding is exact."""
+        return self.runner.ops.batch_invariant
 
     def _kv_fingerprint(self, ops: Any) -> KVFingerprint:
         """Everything that changes a KV block's bytes here (kv_offload/fingerprint.py)."""
@@ -783,7 +792,10 @@ class LLMEngine:
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
-            "spec_decode": None if self.spec is None else self.spec.stats.as_dict(),
+            "spec_decode": None if self.spec is None else {**self.spec.stats.as_dict(), "exact": self.batch_invariant},
+            # every op of the forward pass batch- and thread-invariant (LayerOps.batch_invariant): the one flag
+            # behind the determinism promise and speculative decoding's exactness
+            "batch_invariant": self.batch_invariant,
             "num_waiting_for_kv": len(self.waiting_for_kv),
             "kv_offload": None if self.kv_tiering is None else self.kv_tiering.stats(),
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 OutputKind = Literal["cumulative", "delta", "final_only"]
@@ -212,6 +212,8 @@ class SamplingParams:
     # NOTE: a per-request opt-out of speculative decoding (when the engine has a speculative_config);
     # the output is the same either way, only the speed differs.
     speculative_decoding: bool = True
+    # stop_token_ids as a set, so the per-token check is O(1) (kept in step by __post_init__ and clone)
+    stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -259,6 +261,7 @@ class SamplingParams:
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.stop_token_id_set = frozenset(self.stop_token_ids)
 
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
@@ -333,4 +336,11 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         """A deep copy, so per-request edits (e.g. capping max_tokens) never leak into shared defaults."""
-        return copy.deepcopy(self)
+        out = copy.deepcopy(self)
+        out.stop_token_id_set = frozenset(out.stop_token_ids or ())
+        return out
+
+    def is_stop_token(self, token: int) -> bool:
+        """Whether `token` is one of stop_token_ids: a set lookup, so a long list costs nothing per token
+        (the set is made from the list at construction and by clone)."""
+        return token in self.stop_token_id_set

@@ -43,6 +43,7 @@ from chatserve.engine.kv_event_publisher import KVEventsConfig
 from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
 from chatserve.outputs import CompletionOutput, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
+from chatserve.structured.compiler import GrammarCompilerBusy, GrammarCompileTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -272,12 +273,34 @@ class AsyncLLMEngine:
         snap["is_healthy"] = self.is_healthy()
         return snap
 
-    async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile (cached) the request's grammar in the compiler's thread, without blocking the event
+    async def check_structured_outputs(self, params: SamplingParams, timeout_s: float | None = None) -> None:
+        """Compile (cached) the request's grammar on the compiler's threads, without blocking the event
         loop or a step; raises StructuredOutputError (a ValueError naming the field, e.g.
-        "structured_outputs.json: invalid JSON schema: ...") so the server can answer 400 first."""
-        if params.structured_outputs is not None:
-            await asyncio.wrap_future(self.engine.structured.submit(params.structured_outputs))
+        "structured_outputs.json: invalid JSON schema: ...") so the server can answer 400 first.
+
+        With `timeout_s`: a compile that ran that long is GrammarCompileTimeout (a ValueError: the
+        grammar is too big), one still queued behind other requests' compiles after that long is
+        GrammarCompilerBusy. A caller that stops waiting (timeout, or its task is cancelled: the
+        client left) releases its hold, and a compile nobody waits for is cancelled if it has not
+        started (compiler.py)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        ticket = self.engine.structured.acquire(spec)
+        loop = asyncio.get_running_loop()
+        try:
+            started = _bridge(ticket.started, loop)
+            try:
+                began = await asyncio.wait_for(started, timeout_s)
+            except asyncio.TimeoutError:
+                raise GrammarCompilerBusy(spec.kind, timeout_s or 0.0) from None
+            left = None if timeout_s is None else max(timeout_s - (time.monotonic() - began), 0.0)
+            try:
+                await asyncio.wait_for(_bridge(ticket.result, loop), left)
+            except asyncio.TimeoutError:
+                raise GrammarCompileTimeout(spec.kind, timeout_s or 0.0) from None
+        finally:
+            ticket.release()
 
     async def release_kv_lease(self, session_id: str) -> bool:
         """End a session's KV lease (between steps); False if it held none."""
@@ -644,3 +667,28 @@ class AsyncLLMEngine:
 
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestMetrics"]
+
+
+def _bridge(future: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """An asyncio future of its own that follows a concurrent one (which may be shared with other
+    waiters: cancelling this one never cancels it, as asyncio.wrap_future would)."""
+    out = loop.create_future()
+
+    def copy(src: Any) -> None:
+        if out.done():
+            return
+        if src.cancelled():
+            out.cancel()
+        elif src.exception() is not None:
+            out.set_exception(src.exception())
+        else:
+            out.set_result(src.result())
+
+    def done(src: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(copy, src)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    future.add_done_callback(done)
+    return out

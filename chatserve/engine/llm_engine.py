@@ -630,7 +630,7 @@ class LLMEngine:
         # include_stop_str_in_output asks for it.
         if can_stop and not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif can_stop and params.stop_token_ids and token in params.stop_token_ids:
+        elif can_stop and params.is_stop_token(token):
             seq.finish_reason, seq.stop_reason = "stop", token
         if seq.finish_reason is not None:
             if params.include_stop_str_in_output:

@@ -8,11 +8,13 @@ here because they read the server's state, not the request body.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -28,6 +30,10 @@ from chatserve.sessions import SessionStore
 from chatserve.sessions.response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PREP_THREADS = 4
+"""Worker threads for a request's work before the engine (template, tokenizing, schema checks)."""
 
 
 @dataclass
@@ -47,6 +53,15 @@ class ServerContext:
     cancel_bus: CancelBus | None = None  # cancels for requests other replicas hold (None: local only)
     runs: RunRegistry = field(default_factory=lambda: RunRegistry(MemoryEventLog()))  # resumable/background runs
     responses: ResponseStore | None = None  # stored Responses API objects (None: the Responses API's store is off)
+    preparing: int = 0  # requests admitted and not yet handed to the engine (rendering, tokenizing, compiling)
+    prep_workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=PREP_THREADS, thread_name_prefix="chatserve-prep"))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the pre-engine worker threads, so synchronous work on a request's
+        own input (a chat template, a tokenizer, a schema check) never holds the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.prep_workers, functools.partial(fn, *args, **kwargs))
 
     @property
     def max_model_len(self) -> int:
@@ -91,18 +106,25 @@ class ServerContext:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`{also}.",
                            param="model", code="model_not_found")
 
+    @property
+    def num_live_requests(self) -> int:
+        """Requests in the engine plus those still being prepared for it (their grammar compiling, ...)."""
+        return self.engine.num_live_requests + self.preparing
+
     def check_capacity(self) -> None:
-        """Shed load with 503 + Retry-After once the waiting queue is full, instead of queueing forever."""
+        """Shed load with 503 + Retry-After once the waiting queue is full, instead of queueing forever.
+        Requests still being prepared (rendering, tokenizing, compiling their grammar) count too."""
         if not self.accepting:
             raise APIError(503, "the server is shutting down; retry on another instance",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         if not self.engine.is_healthy():
             raise APIError(503, "the engine has failed and must be restarted", code="engine_dead")
         limit = self.engine.max_num_seqs + self.settings.max_queue_len
-        if self.engine.num_live_requests >= limit:
+        live = self.num_live_requests
+        if live >= limit:
             raise APIError(
                 503,
-                f"the server is overloaded ({self.engine.num_live_requests} requests in flight, limit {limit}); retry later",
+                f"the server is overloaded ({live} requests in flight, limit {limit}); retry later",
                 code="queue_full",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             )

@@ -7,15 +7,18 @@ naming the field to fix), Starlette's 404/405 and any unexpected exception into
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse as StarletteJSONResponse
+from starlette.responses import Response
 
 from chatserve.engine.input_processor import PromptError
+from chatserve.server.json_checks import escape_surrogates, has_surrogates
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,19 @@ _TYPES = {
     503: "service_unavailable_error",
     507: "insufficient_storage_error",
 }
+
+
+class JSONResponse(StarletteJSONResponse):
+    """Starlette's JSONResponse (compact UTF-8, no NaN), except that a lone surrogate in the content
+    (a model's reply can decode to one: a tool call whose arguments say "\\ud800") is written as its
+    escape instead of failing to encode: every body the server answers with, or stores and reads back,
+    can be sent."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+        if has_surrogates(text):
+            text = escape_surrogates(text)
+        return text.encode("utf-8")
 
 
 class APIError(Exception):

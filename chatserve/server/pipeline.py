@@ -9,6 +9,12 @@ walk the same sequence, and it lives here only:
     ->  the output constraint (compiled before anything is queued)  ->  `Generation`
     ->  the API's output format (`respond`: SSE events or one body)
 
+Nothing a client sends holds the event loop: the synchronous work on a request's own input (its
+chat template, tokenizing, the JSON-schema checks) runs on the context's worker threads
+(`ctx.off_loop`), the grammar compiles on the compiler's pool with a time limit
+(`--grammar-compile-timeout-s`), a request being prepared counts against the queue limit, and a
+client that leaves while its request is prepared ends that work (a queued grammar compile included).
+
 An API is a `ServingAdapter`: it parses its body, supplies the prompt builder, says how its
 fields are named (`FieldNames`, so an error about `max_tokens` says `max_output_tokens` on the
 Responses API), and formats the output. Nothing else of the sequence is an adapter's to repeat.
@@ -30,13 +36,15 @@ from starlette.responses import Response
 from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.input_processor import ProcessedPrompt, PromptError
+from chatserve.sampling_params import SamplingParams
 from chatserve.server.chat.generation import Generation
 from chatserve.server.chat.params import build_sampling_params, cap_max_tokens
 from chatserve.server.chat.protocol import SamplingFields
-from chatserve.server.chat.structured import check_constraint, request_constraint
+from chatserve.server.chat.structured import Constraint, check_constraint, request_constraint
 from chatserve.server.chat.tool_request import ToolPlan
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError
+from chatserve.server.streams.sse import run_or_disconnect
 
 Prompt = str | list[int]
 """One prompt as an API hands it over: text to tokenize, or exact token ids (a rendered chat)."""
@@ -96,21 +104,29 @@ class ServeSpec:
 async def start_generation(ctx: ServerContext, request_id: str, spec: ServeSpec, names: FieldNames) -> Generation:
     """The shared middle of every request: prompt checks, parameters, budget, constraint, then the engine."""
     try:
-        budget = spec.max_tokens if spec.refuse_overflow else None
-        prompts = [_process(ctx, p, budget, names.prompt) for p in spec.prompts]
-        params = build_sampling_params(spec.fields, spec.max_tokens, spec.logprobs, spec.defaults)
-        # One max_tokens for all prompts: the room the longest leaves (only lowers one that may be lowered).
-        cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
-        constraint = request_constraint(spec.fields, spec.tools)
+        prompts, params, constraint = await ctx.off_loop(_checked, ctx, spec, names)
         if constraint is not None:
             params.structured_outputs = constraint.params
-            await check_constraint(ctx.engine, constraint, params)  # a grammar that cannot compile: 400, nothing queued
+            # a grammar that cannot compile (or not in time): 400, nothing queued
+            await check_constraint(ctx.engine, constraint, params, timeout_s=ctx.settings.grammar_compile_timeout_s)
     except PromptError as exc:
         raise names.apply(APIError(400, str(exc), param=exc.param, code=exc.code)) from None
     except APIError as exc:
         raise names.apply(exc) from None
     salt, leases = _cache_options(spec)
     return Generation(ctx, request_id, prompts, params, session=spec.session, cache_salt=salt, cache_leases=leases)
+
+
+def _checked(ctx: ServerContext, spec: ServeSpec,
+             names: FieldNames) -> tuple[list[ProcessedPrompt], SamplingParams, Constraint | None]:
+    """The synchronous part (a worker thread runs it): tokenize and check the prompts, build the
+    parameters and fit max_tokens, and the output constraint with its schemas checked."""
+    budget = spec.max_tokens if spec.refuse_overflow else None
+    prompts = [_process(ctx, p, budget, names.prompt) for p in spec.prompts]
+    params = build_sampling_params(spec.fields, spec.max_tokens, spec.logprobs, spec.defaults)
+    # One max_tokens for all prompts: the room the longest leaves (only lowers one that may be lowered).
+    cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
+    return prompts, params, request_constraint(spec.fields, spec.tools)
 
 
 RETENTION_S = {"in_memory": 300.0, "24h": 86400.0}
@@ -168,12 +184,23 @@ async def serve(request: Request, adapter: ServingAdapter) -> Response:
     ctx.check_model(adapter.model)
     adapter.admit(ctx)
     ctx.check_capacity()
-    try:
+
+    async def prepare_and_start() -> tuple[ServeSpec, Generation]:
         spec = await adapter.prepare(ctx)
-        gen = await start_generation(ctx, adapter.request_id, spec, adapter.names)
+        return spec, await start_generation(ctx, adapter.request_id, spec, adapter.names)
+
+    ctx.preparing += 1  # counted by check_capacity until the engine has it
+    try:
+        completed, result = await run_or_disconnect(prepare_and_start(), request.receive)
     except BaseException:
         await adapter.abandon()
         raise
+    finally:
+        ctx.preparing -= 1
+    if not completed:  # the client left before its request reached the engine: nothing runs
+        await adapter.abandon()
+        raise APIError(499, "client closed the request")
+    spec, gen = result
     return await adapter.respond(request, ctx, gen, spec)
 
 

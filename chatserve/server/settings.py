@@ -38,6 +38,13 @@ class ServerSettings:
     max_stop_sequences: int = field(default=16, metadata={"help": "most stop sequences per request"})
     max_stop_length: int = field(default=256, metadata={"help": "longest stop sequence in characters"})
     max_messages: int = field(default=1024, metadata={"help": "most messages in one chat request"})
+    max_tools: int = field(default=1024, metadata={
+        "help": "most tools in one request (an agent with a few MCP servers sends hundreds); more is a 400"})
+    max_stop_token_ids: int = field(default=256, metadata={"help": "most stop_token_ids in one request; more is a 400"})
+    grammar_compile_timeout_s: float = field(default=10.0, metadata={
+        "help": "seconds a request's grammar (response_format, tools, structured_outputs, guided_*) may take to "
+                "compile before the request is refused with a 400 naming the field (compiles run on a small pool "
+                "of threads; one still queued when this passes is a 503)"})
     max_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs / logprobs a request may ask for"})
     max_queue_len: int = field(default=256, metadata={
         "help": "requests waiting beyond the engine's running slots; more than this and new ones get 503"})
@@ -135,5 +142,13 @@ class ServerSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_messages", "max_queue_len",
                      "event_log_max_events", "responses_max_in_memory", "session_max_count", "session_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_request_limits()
+
+    def _check_request_limits(self) -> None:
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        for name in ("max_tools", "max_stop_token_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

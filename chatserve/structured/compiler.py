@@ -2,12 +2,19 @@
 
 Why a service of its own: compiling a JSON schema takes milliseconds to seconds (and building the
 tokenizer's xgrammar view takes ~0.6 s once), so it must never run inside an engine step that also
-carries other users' tokens. Every compile runs on one worker thread; results (and failures, so a
-bad schema sent in a loop is refused at once) sit in an LRU cache keyed by the spec's canonical
-text, and concurrent requests for the same spec share one compile.
+carries other users' tokens. Compiles run on a small pool of worker threads (`max_workers`;
+xgrammar releases the GIL while it compiles); results (and failures, so a bad schema sent in a loop
+is refused at once) sit in an LRU cache keyed by the spec's canonical text, and concurrent requests
+for the same spec share one compile.
 
-Thread safety: `submit`, `compile` and `stats` may be called from any thread (the event loop, the
-engine's step thread); the cache and the in-flight table are guarded by one lock.
+A server checks a request's grammar before queueing it through `acquire`: a `Ticket` says when the
+compile started and when it ended, and `release` gives the ticket back; a compile that nobody waits
+for any more (its client left, or its wait timed out) and that has not started yet is cancelled, so
+a client cannot fill the queue with work nobody will use. A compile already running cannot be
+interrupted (xgrammar has no way to); its result is cached for the next request with that spec.
+
+Thread safety: `submit`, `acquire`, `compile` and `stats` may be called from any thread (the event
+loop, the engine's step thread); the cache and the in-flight table are guarded by one lock.
 """
 
 from __future__ import annotations
@@ -17,9 +24,9 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatserve.sampling_params import StructuredOutputsParams
@@ -54,6 +61,52 @@ class StructuredOutputError(ValueError):
         super().__init__(f"structured_outputs.{kind}: invalid {_WHAT.get(kind, kind)}: {reason}")
         self.kind = kind
         self.reason = reason
+
+
+class GrammarCompileTimeout(ValueError):
+    """The request's grammar did not compile within the server's time limit (a 400 naming the field:
+    the grammar is too large or too complex for this server)."""
+
+    def __init__(self, kind: str, timeout_s: float) -> None:
+        super().__init__(f"structured_outputs.{kind}: the grammar did not compile within {timeout_s:g} s; it is too "
+                         f"large or too complex for this server (simplify it: fewer properties, alternatives or "
+                         f"repetitions)")
+        self.kind = kind
+
+
+class GrammarCompilerBusy(RuntimeError):
+    """Every compile thread stayed busy with other requests' grammars for the whole time limit (a 503:
+    retry later; the request itself may be fine)."""
+
+    def __init__(self, kind: str, timeout_s: float) -> None:
+        super().__init__(f"structured_outputs.{kind}: the grammar compiler was busy with other requests for "
+                         f"{timeout_s:g} s; retry later")
+        self.kind = kind
+
+
+@dataclass
+class _Job:
+    """One compile in flight: `started` gets the monotonic time it began, `future` its grammar."""
+
+    future: Future
+    started: Future = field(default_factory=Future)
+    waiters: int = 0
+    pinned: bool = False  # submitted for the engine itself (never cancelled)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A caller's hold on one compile (`GrammarCompilerService.acquire`): `started` resolves to the
+    monotonic time the compile began (at once for a cached grammar), `result` to the grammar (or a
+    StructuredOutputError). Call `release` exactly once when done waiting, whatever happened."""
+
+    started: Future
+    result: Future
+    release: Callable[[], None]
+
+
+def _noop() -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -195,7 +248,11 @@ class GrammarCompilerService:
         *,
         cache_size: int = 256,
         config: StructuredOutputsConfig | None = None,
+        max_workers: int = 2,
     ) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.max_workers = max_workers
         self._tokenizer = tokenizer
         self.config = config or StructuredOutputsConfig()
         self.vocab_size = vocab_size
@@ -203,8 +260,9 @@ class GrammarCompilerService:
         self.cache_size = cache_size
         self._compiler: xgr.GrammarCompiler | None = None  # built on first compile (~0.6 s)
         self._cache: OrderedDict[CacheKey, xgr.CompiledGrammar | StructuredOutputError] = OrderedDict()
-        self._in_flight: dict[CacheKey, Future[xgr.CompiledGrammar]] = {}
+        self._in_flight: dict[CacheKey, _Job] = {}
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()  # builds the xgrammar compiler once, whichever thread comes first
         self._executor: ThreadPoolExecutor | None = None
         self._hits = 0
         self._misses = 0
@@ -222,28 +280,50 @@ class GrammarCompilerService:
 
     def submit(self, spec: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         """A future of the compiled grammar (already done on a cache hit); its exception is a
-        StructuredOutputError. Never blocks on a compile."""
+        StructuredOutputError. Never blocks on a compile, and the compile is never cancelled."""
         key = self.cache_key(spec)
         with self._lock:
-            cached = self._lookup(key)
-            if cached is not None:
-                self._hits += 1
-                done: Future[xgr.CompiledGrammar] = Future()
-                if isinstance(cached, StructuredOutputError):
-                    done.set_exception(StructuredOutputError(cached.kind, cached.reason))  # one object per raise
-                else:
-                    done.set_result(cached)
+            done = self._cached_future(key)
+            if done is not None:
                 return done
-            running = self._in_flight.get(key)
-            if running is not None:
-                self._hits += 1
-                return running
-            self._misses += 1
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatserve-grammar")
-            future = self._executor.submit(self._compile_and_store, key, spec)
-            self._in_flight[key] = future
-            return future
+            job = self._job(key, spec)
+            job.pinned = True
+            return job.future
+
+    def acquire(self, spec: StructuredOutputsParams) -> Ticket:
+        """A hold on this spec's compile (a cache hit is resolved at once); see `Ticket`. When the last
+        holder releases a compile that has not started (and the engine did not submit it), it is
+        cancelled and leaves no trace in the cache."""
+        key = self.cache_key(spec)
+        with self._lock:
+            done = self._cached_future(key)
+            if done is not None:
+                started: Future = Future()
+                started.set_result(time.monotonic())
+                return Ticket(started, done, _noop)
+            job = self._job(key, spec)
+            job.waiters += 1
+        released = threading.Event()
+
+        def release() -> None:
+            if released.is_set():
+                return
+            released.set()
+            with self._lock:
+                job.waiters -= 1
+                if job.waiters > 0 or job.pinned or job.started.done():
+                    return
+                if job.future.cancel():  # still queued: it never runs
+                    if self._in_flight.get(key) is job:
+                        del self._in_flight[key]
+                    job.started.cancel()
+
+        return Ticket(job.started, job.future, release)
+
+    def pending(self) -> int:
+        """Compiles queued or running now."""
+        with self._lock:
+            return len(self._in_flight)
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """Blocking: the compiled grammar, or StructuredOutputError. For validation before queueing."""
@@ -262,8 +342,38 @@ class GrammarCompilerService:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
+    # ---- under the lock ----------------------------------------------------------------------------
+    def _cached_future(self, key: CacheKey) -> Future | None:
+        """A done future of the cached grammar (or failure), or None (a hit on one in flight counts too)."""
+        cached = self._lookup(key)
+        if cached is not None:
+            self._hits += 1
+            done: Future[xgr.CompiledGrammar] = Future()
+            if isinstance(cached, StructuredOutputError):
+                done.set_exception(StructuredOutputError(cached.kind, cached.reason))  # one object per raise
+            else:
+                done.set_result(cached)
+            return done
+        return None
+
+    def _job(self, key: CacheKey, spec: StructuredOutputsParams) -> _Job:
+        """The compile of `key` in flight, joined, or queued now."""
+        job = self._in_flight.get(key)
+        if job is not None:
+            self._hits += 1
+            return job
+        self._misses += 1
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="chatserve-grammar")
+        job = _Job(Future())
+        job.future = self._executor.submit(self._compile_and_store, key, spec, job)
+        self._in_flight[key] = job
+        return job
+
     # ---- worker thread ---------------------------------------------------------------------------
-    def _compile_and_store(self, key: CacheKey, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    def _compile_and_store(self, key: CacheKey, spec: StructuredOutputsParams, job: _Job | None = None) -> xgr.CompiledGrammar:
+        if job is not None and job.started.set_running_or_notify_cancel():
+            job.started.set_result(time.monotonic())
         t0 = time.perf_counter()
         result: xgr.CompiledGrammar | StructuredOutputError
         try:
@@ -274,7 +384,8 @@ class GrammarCompilerService:
             result = StructuredOutputError(spec.kind, _clean(exc))
         with self._lock:
             self._compile_seconds += time.perf_counter() - t0
-            self._in_flight.pop(key, None)
+            if job is None or self._in_flight.get(key) is job:
+                self._in_flight.pop(key, None)
             self._cache[key] = result
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -287,15 +398,16 @@ class GrammarCompilerService:
         return compile_spec(self._xgr_compiler(), spec, self.config)
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
-            # NOTE: xgrammar's own cache is off: ours is keyed by the spec and counts hits.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                # NOTE: xgrammar's own cache is off: ours is keyed by the spec and counts hits.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
 
     def _lookup(self, key: CacheKey) -> xgr.CompiledGrammar | StructuredOutputError | None:
         value = self._cache.get(key)

@@ -78,6 +78,9 @@ class FakeEngine:
         self.shut_down = False
         self.checked_structured: list[Any] = []  # StructuredOutputsParams the server asked to compile
         self.structured_error: str | None = None  # set: check_structured_outputs raises ValueError(this)
+        self.structured_gate: asyncio.Event | None = None  # set: check_structured_outputs waits for it
+        self.structured_cancelled = 0  # checks cancelled while waiting at the gate
+        self.structured_timeouts: list[float | None] = []  # the timeout_s each check was given
         self.sessions_seen: list[Any] = []  # the SessionKV (or None) each generate() was given
         self.cache_options_seen: list[tuple[Any, list[Any]]] = []  # (cache_salt, cache_leases) of each generate()
         self.released_leases: list[str] = []  # session ids the server asked to release
@@ -143,10 +146,19 @@ class FakeEngine:
     async def check_integrity(self) -> None:
         return None
 
-    async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """The real engine compiles the grammar here; the fake records what was asked and can be told to refuse."""
+    async def check_structured_outputs(self, params: SamplingParams, timeout_s: float | None = None) -> None:
+        """The real engine compiles the grammar here; the fake records what was asked and can be told to
+        refuse, or (`structured_gate`) to wait until the test opens the gate, as a long compile would;
+        `structured_cancelled` counts the waits that were cancelled (their client left)."""
         if params.structured_outputs is not None:
             self.checked_structured.append(params.structured_outputs)
+            self.structured_timeouts.append(timeout_s)
+            if self.structured_gate is not None:
+                try:
+                    await self.structured_gate.wait()
+                except asyncio.CancelledError:
+                    self.structured_cancelled += 1
+                    raise
             if self.structured_error is not None:
                 raise ValueError(self.structured_error)
 

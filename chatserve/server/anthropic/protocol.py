@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from chatserve.server.chat.protocol import StrictModel, field_error
+from chatserve.server.chat.protocol import SchemaObject, StrictModel, check_length, field_error
 
 MAX_INT32 = 2**31 - 1
 MAX_BREAKPOINTS = 4
@@ -71,7 +71,7 @@ ResultBlock = TextBlock | ToolReferenceBlock | OtherBlock
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1, max_length=256)]
-    content: str | list[ResultBlock] = ""
+    content: str | Annotated[list[ResultBlock], Field(fail_fast=True)] = ""
     is_error: bool = False
     cache_control: CacheControl | None = None
 
@@ -119,7 +119,7 @@ class MessageParam(StrictModel):
     """One turn: `user`, `assistant`, or an inline `system` turn (Claude Code sends its environment so)."""
 
     role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Field(fail_fast=True)]
 
     @model_validator(mode="before")
     @classmethod
@@ -156,7 +156,7 @@ class ToolParam(StrictModel):
     type: Literal["custom"] | None = None
     name: ToolName
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: SchemaObject
     strict: bool | None = None
     cache_control: CacheControl | None = None
     defer_loading: bool = False
@@ -199,7 +199,7 @@ class ThinkingParam(StrictModel):
 
 class JsonOutputFormat(StrictModel):
     type: Literal["json_schema"]
-    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    schema_: Annotated[SchemaObject, Field(alias="schema")]
 
 
 class OutputConfig(StrictModel):
@@ -215,9 +215,9 @@ class MessagesBase(StrictModel):
     """What a Messages request and a `count_tokens` request share: the conversation and its tools."""
 
     model: Annotated[str, Field(min_length=1)]
-    messages: Annotated[list[MessageParam], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    tools: list[ToolParam] | None = None
+    messages: Annotated[list[MessageParam], Field(min_length=1, fail_fast=True)]
+    system: str | Annotated[list[TextBlock], Field(fail_fast=True)] | None = None
+    tools: Annotated[list[ToolParam], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None
@@ -229,6 +229,11 @@ class MessagesBase(StrictModel):
     service_tier: Any = None
     # chatserve / vLLM: requests share cached KV only with requests of the same salt
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_length(value, info, "max_tools", "tools")
 
     @model_validator(mode="before")
     @classmethod
@@ -300,7 +305,7 @@ class MessagesRequest(MessagesBase):
 
     max_tokens: Annotated[int, Field(ge=1)]
     stream: bool = False
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[str], Field(fail_fast=True)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=MAX_INT32)] | None = None

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from chatserve.core.cache_lease import CacheLease
@@ -32,7 +32,7 @@ from chatserve.server.chat.params import check_stop_list
 from chatserve.server.chat.protocol import SamplingFields
 from chatserve.server.chat.replies import collect_reply
 from chatserve.server.context import ServerContext, get_context
-from chatserve.server.errors import APIError, bad_request
+from chatserve.server.errors import APIError, JSONResponse, bad_request
 from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.streams.sse import sse_response
@@ -73,7 +73,7 @@ class MessagesAdapter(ServingAdapter):
 
     async def prepare(self, ctx: ServerContext) -> ServeSpec:
         body = self.body
-        rendered = render(body, ctx.engine.input_processor, ctx.chat_template)
+        rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template)  # off the loop
         if len(rendered.ids) >= ctx.max_model_len:
             raise _too_long(len(rendered.ids), ctx.max_model_len)
         leases = [CacheLease(bp.position, bp.ttl_s) for bp in rendered.breakpoints]

@@ -22,16 +22,23 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from chatserve.server.json_checks import MAX_DEPTH, JSONLimitError, check_value, load_text, text_depth
+from chatserve.server.settings import ServerSettings
+
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+MAX_INT32 = 2**31 - 1
+"""The largest count (max_tokens, n, min_tokens, token ids) any request may send: a number past it is a
+400 of its own, said without echoing the value (a 4,300-digit one cannot even be printed)."""
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Field(ge=_SEED_MIN, le=_SEED_MAX)]
-PositiveInt = Annotated[int, Field(ge=1)]
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 # NOTE: the sampler keeps top_k in an int64 tensor shared by the whole batch; a value that does not
 # fit would kill the engine loop for everyone, so it is bounded here (far above any vocabulary size).
 TopK = Annotated[int, Field(ge=-1, le=2**31 - 1)]
@@ -94,12 +101,84 @@ REFUSED_SESSION: Mapping[str, Refusal] = {
     "chat_template_kwargs": (_unset, "chat_template_kwargs in a session turn"),
     **{k: REFUSED_CHAT[k] for k in ("continue_final_message", "chat_template")},
 }
-# Keys of chat_template_kwargs that would override how the server itself renders the prompt.
+# Keys of chat_template_kwargs that would override how the server itself renders the prompt, or that
+# name a parameter of the functions the kwargs pass through (InputProcessor.render_chat, our
+# apply_chat_template, transformers' apply_chat_template and render_jinja_template): sent as a template
+# variable, `self` or `tokenizer` would be "got multiple values for argument" (tests/test_hostile_inputs.py
+# checks this list against those signatures).
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "param",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "param", "self", "tokenizer", "sanitize_control_tokens",
+    "template_kwargs", "kwargs",
 })
+
+
+# ---- bounds on lists and on the JSON inside a body (docs/openai-api.md, "Limits") -------------------
+def list_limit(info: ValidationInfo, name: str) -> int:
+    """A list-length flag of ServerSettings: the server's (parse_model passes its settings as the
+    validation context), else the default."""
+    settings = (info.context or {}).get("settings") if isinstance(info.context, dict) else None
+    if settings is None:
+        return ServerSettings.__dataclass_fields__[name].default
+    return getattr(settings, name)
+
+
+def check_length(value: Any, info: ValidationInfo, name: str, what: str) -> Any:
+    """A list past its flag is refused before any item is validated (one error, not one per item)."""
+    if isinstance(value, list):
+        limit = list_limit(info, name)
+        if len(value) > limit:
+            raise ValueError(f"at most {limit} {what} are allowed, got {len(value)}")
+    return value
+
+
+def _schema_object(value: dict[str, Any]) -> dict[str, Any]:
+    try:
+        check_value(value, what="the JSON schema")
+    except JSONLimitError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+SchemaObject = Annotated[dict[str, Any], AfterValidator(_schema_object)]
+"""A JSON schema as a request sends it: an object nested at most MAX_DEPTH levels, with finite numbers."""
+
+
+def _json_text(value: str) -> str:
+    try:
+        load_text(value)
+    except JSONLimitError as exc:
+        raise ValueError(str(exc)) from None
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    return value
+
+
+def schema_or_text(value: Any) -> Any:
+    """A schema (or structural tag) sent as an object or as JSON text, within the bounds either way."""
+    if isinstance(value, dict):
+        return _schema_object(value)
+    if isinstance(value, str):
+        return _json_text(value)
+    return value
+
+
+def _call_arguments(value: str) -> str:
+    """A call's arguments: any text (a model may have written broken JSON), but JSON that cannot be
+    read back safely (too deep, a lone surrogate) is refused."""
+    if text_depth(value) > MAX_DEPTH:
+        raise ValueError(f"the arguments' JSON nests deeper than {MAX_DEPTH} levels of objects and arrays")
+    try:
+        load_text(value, what="the arguments' JSON")
+    except JSONLimitError as exc:
+        raise ValueError(str(exc)) from None
+    except ValueError:
+        pass  # not JSON: rendered as the text it is
+    return value
+
+
+CallArguments = Annotated[str, AfterValidator(_call_arguments)]
 
 
 class StrictModel(BaseModel):
@@ -143,7 +222,7 @@ FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 class ToolCallFunction(StrictModel):
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    arguments: CallArguments  # JSON text, as OpenAI sends it
 
 
 class ToolCallIn(StrictModel):
@@ -157,7 +236,7 @@ class ToolCallIn(StrictModel):
 class FunctionDefinition(StrictModel):
     name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: SchemaObject | None = None
     strict: bool | None = None
 
 
@@ -182,7 +261,7 @@ class JSONSchemaSpec(StrictModel):
     name: Annotated[str, Field(max_length=64)] = "response"
     description: str | None = None
     # OpenAI's field is `schema`; pydantic reserves that name on models, hence the alias.
-    json_schema: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=lambda: {"type": "object"})
+    json_schema: Annotated[SchemaObject, Field(alias="schema")] = Field(default_factory=lambda: {"type": "object"})
     strict: bool | None = None
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
@@ -193,9 +272,9 @@ class ResponseFormat(StrictModel):
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaSpec | None = None
-    format: dict[str, Any] | None = None  # structural_tag (xgrammar's format object)
-    structures: list[dict[str, Any]] | None = None  # structural_tag, vLLM's legacy shape
-    triggers: list[str] | None = None
+    format: SchemaObject | None = None  # structural_tag (xgrammar's format object)
+    structures: Annotated[list[SchemaObject], Field(fail_fast=True)] | None = None  # structural_tag, vLLM's legacy shape
+    triggers: Annotated[list[str], Field(fail_fast=True)] | None = None
 
     @model_validator(mode="after")
     def _needs_its_part(self) -> ResponseFormat:
@@ -225,14 +304,16 @@ class StructuredOutputsField(StrictModel):
 
     json_schema: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
     regex: str | None = None
-    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1, fail_fast=True)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool | None = None
-    max_whitespace: Annotated[int, Field(ge=0)] | None = None
+    max_whitespace: Count | None = None
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    _bounded = field_validator("json_schema", "structural_tag")(schema_or_text)
 
     @model_validator(mode="before")
     @classmethod
@@ -269,9 +350,9 @@ class ChatMessage(StrictModel):
     refused: ClassVar[Mapping[str, Refusal]] = REFUSED_MESSAGE
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None  # assistant messages that called tools
+    tool_calls: Annotated[list[ToolCallIn], Field(fail_fast=True)] | None = None  # assistant messages that called tools
     tool_call_id: str | None = None  # tool messages: the call this is the result of
 
     @model_validator(mode="after")
@@ -330,7 +411,7 @@ class SamplingFields(StrictModel):
     # chatserve: what a lost connection means, "abort" (default) or "detach" / {"mode", "lease_seconds"}
     # (checked, with the server's limits, by runs.DisconnectPolicy.parse: one 400 naming the exact field)
     disconnect_policy: Any = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(fail_fast=True)] | None = None
     max_tokens: PositiveInt | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -340,10 +421,10 @@ class SamplingFields(StrictModel):
     top_k: TopK | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Count], Field(fail_fast=True)] | None = None
     include_stop_str_in_output: bool = False
     # chatserve: opt this request out of the server's speculative decoding (same output, plain speed)
     speculative_decoding: bool = True
@@ -357,9 +438,16 @@ class SamplingFields(StrictModel):
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, fail_fast=True)] | None = None
     guided_grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
+
+    _bounded = field_validator("guided_json", "structural_tag")(schema_or_text)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids_bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_length(value, info, "max_stop_token_ids", "stop_token_ids")
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingFields:
@@ -374,15 +462,19 @@ class SamplingFields(StrictModel):
 
 
 def check_tools(tools: list[ToolDefinition] | None, tool_choice: Any) -> None:
-    """Function names unique; a tool_choice other than none/auto needs tools, a named one a tool of that name."""
+    """Function names unique; a tool_choice other than none/auto needs tools, a named one a tool of that name.
+    Linear in the number of tools (a set of the names seen)."""
     names = [t.function.name for t in tools or []]
+    seen: set[str] = set()
     for i, name in enumerate(names):
-        if name in names[:i]:
+        if name in seen:
             raise field_error(f"tools.{i}.function.name", f"two tools are named {name!r}; function names must be unique")
+        seen.add(name)
     if isinstance(tool_choice, NamedToolChoice):
-        if tool_choice.function.name not in names:
-            known = ", ".join(repr(n) for n in names) or "none"
+        if tool_choice.function.name not in seen:
+            known = ", ".join(repr(n) for n in names[:20]) or "none"
+            more = f", and {len(names) - 20} more" if len(names) > 20 else ""
             raise field_error("tool_choice", f"tool_choice names the function {tool_choice.function.name!r}, which is "
-                                             f"not in tools (tools: {known})")
+                                             f"not in tools (tools: {known}{more})")
     elif tool_choice == "required" and not names:
         raise field_error("tool_choice", 'tool_choice "required" needs at least one tool in tools')

@@ -21,7 +21,9 @@ from chatserve.engine.async_engine import AsyncLLMEngine
 from chatserve.sampling_params import StructuredOutputsParams
 from chatserve.server.chat.protocol import SamplingFields
 from chatserve.server.chat.tool_request import ToolPlan
-from chatserve.server.errors import bad_request
+from chatserve.server.errors import APIError, bad_request
+from chatserve.server.json_checks import JSONLimitError, check_value
+from chatserve.structured.compiler import GrammarCompilerBusy, GrammarCompileTimeout
 from chatserve.tools import tool_grammar
 
 
@@ -32,17 +34,34 @@ class Constraint:
 
 
 def check_json_schema(schema: Any, param: str) -> None:
-    """A schema that is not a valid JSON Schema is a 400 naming `param` (before the engine sees it)."""
+    """A schema that is not a valid JSON Schema is a 400 naming `param` (before the engine sees it).
+
+    Its nesting is bounded first (the request models did it already; a schema built here, e.g. from a
+    JSON string, is checked again), so jsonschema's recursive check cannot overflow the stack."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise bad_request(f"{param}: a JSON schema must be an object", param=param)
     try:
+        check_value(schema, what="the JSON schema")
         validator_for(schema).check_schema(schema)
+    except JSONLimitError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise bad_request(f"{param}: invalid JSON schema{f' at {where}' if where else ''}: {exc.message}",
                           param=param) from None
+    except RecursionError:
+        raise bad_request(f"{param}: the JSON schema is nested too deeply to check", param=param) from None
+
+
+def _params(field: str, **kind: Any) -> StructuredOutputsParams:
+    """The engine's params of one kind; a value they refuse (an empty regex, ...) is a 400 naming `field`."""
+    try:
+        return StructuredOutputsParams(**kind)
+    except ValueError as exc:
+        message = _ENGINE_PREFIX.sub("", str(exc))
+        raise bad_request(f"{field}: {message}", param=field) from None
 
 
 def _from_response_format(body: SamplingFields) -> Constraint | None:
@@ -50,17 +69,17 @@ def _from_response_format(body: SamplingFields) -> Constraint | None:
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        return Constraint(StructuredOutputsParams(json_object=True), "response_format")
+        return Constraint(_params("response_format", json_object=True), "response_format")
     if rf.type == "json_schema":
         assert rf.json_schema is not None
         schema = rf.json_schema.json_schema
         check_json_schema(schema, "response_format.json_schema.schema")
-        return Constraint(StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
+        return Constraint(_params("response_format.json_schema.schema", json=schema), "response_format.json_schema.schema")
     if rf.format is not None:
         tag: dict[str, Any] = {"type": "structural_tag", "format": rf.format}
     else:
         tag = {"structures": rf.structures, "triggers": rf.triggers or []}
-    return Constraint(StructuredOutputsParams(structural_tag=tag), "response_format")
+    return Constraint(_params("response_format", structural_tag=tag), "response_format")
 
 
 def _from_structured_fields(body: SamplingFields) -> Constraint | None:
@@ -69,11 +88,12 @@ def _from_structured_fields(body: SamplingFields) -> Constraint | None:
         if so.json_schema is not None:
             if isinstance(so.json_schema, dict):
                 check_json_schema(so.json_schema, "structured_outputs.json")
-            return Constraint(StructuredOutputsParams(json=so.json_schema), "structured_outputs.json")
+            return Constraint(_params("structured_outputs.json", json=so.json_schema), "structured_outputs.json")
         for kind in ("regex", "choice", "grammar", "structural_tag"):
             if getattr(so, kind) is not None:
-                return Constraint(StructuredOutputsParams(**{kind: getattr(so, kind)}), f"structured_outputs.{kind}")
-        return Constraint(StructuredOutputsParams(json_object=True), "structured_outputs.json_object")
+                field = f"structured_outputs.{kind}"
+                return Constraint(_params(field, **{kind: getattr(so, kind)}), field)
+        return Constraint(_params("structured_outputs.json_object", json_object=True), "structured_outputs.json_object")
     guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
               "structural_tag": "structural_tag"}
     set_fields = [f for f in guided if getattr(body, f) is not None]
@@ -84,7 +104,7 @@ def _from_structured_fields(body: SamplingFields) -> Constraint | None:
         value = getattr(body, field)
         if field == "guided_json" and isinstance(value, dict):
             check_json_schema(value, field)
-        return Constraint(StructuredOutputsParams(**{guided[field]: value}), field)
+        return Constraint(_params(field, **{guided[field]: value}), field)
     return None
 
 
@@ -116,20 +136,30 @@ def _request_constraint(body: SamplingFields, plan: ToolPlan | None) -> Constrai
                 {"type": "object"} if rf.params.json_object else None)
         tag = tool_grammar(plan.format, plan.tools, plan.choice, plan.parallel, reply_schema)
         if tag is not None:
-            return Constraint(StructuredOutputsParams(structural_tag=tag), "tools")
+            return Constraint(_params("tools", structural_tag=tag), "tools")
         return explicit or rf
     return explicit or _from_response_format(body)
 
 
-_ENGINE_PREFIX = re.compile(r"^structured_outputs\.\w+:\s*")
+_ENGINE_PREFIX = re.compile(r"^structured_outputs(?:\.\w+)?:\s*")
 
 
-async def check_constraint(engine: AsyncLLMEngine, constraint: Constraint | None, params: Any) -> None:
-    """Compile (cached) before queueing: a grammar the engine cannot build is a 400 naming the field."""
+async def check_constraint(engine: AsyncLLMEngine, constraint: Constraint | None, params: Any,
+                           timeout_s: float | None = None) -> None:
+    """Compile (cached) before queueing: a grammar the engine cannot build, or cannot build within
+    `timeout_s`, is a 400 naming the field; a compiler busy with other requests' grammars for that
+    long is a 503 (retry). Cancelling the caller (the client left) gives up the compile if it has not
+    started."""
     if constraint is None:
         return
     try:
-        await engine.check_structured_outputs(params)
+        await engine.check_structured_outputs(params, timeout_s=timeout_s)
+    except GrammarCompilerBusy as exc:
+        raise APIError(503, f"{constraint.param}: {_ENGINE_PREFIX.sub('', str(exc))}", param=constraint.param,
+                       code="grammar_compiler_busy", headers={"Retry-After": "1"}) from None
+    except GrammarCompileTimeout as exc:
+        message = _ENGINE_PREFIX.sub("", str(exc))
+        raise bad_request(f"{constraint.param}: {message}", param=constraint.param, code="grammar_timeout") from None
     except ValueError as exc:
         message = _ENGINE_PREFIX.sub("", str(exc))
         raise bad_request(f"{constraint.param}: {message}", param=constraint.param, code="invalid_grammar") from None

@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from chatserve.engine.input_processor import InputProcessor, ToolRendering
 from chatserve.server.chat.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from chatserve.server.json_checks import load_text
 from chatserve.tools import FunctionTool, ToolCallStreamParser, ToolChoice, ToolFormat
 
 
@@ -58,9 +58,10 @@ def plan_tools(tools: list[ToolDefinition] | None, tool_choice: Any, parallel: b
 
 
 def _arguments_value(text: str) -> Any:
-    """A call's arguments as the object templates render (its JSON text if it is not JSON)."""
+    """A call's arguments as the object templates render (its JSON text if it is not JSON, or not JSON
+    within the bounds the request models check: json_checks.load_text)."""
     try:
-        return json.loads(text)
+        return load_text(text)
     except ValueError:
         return text
 

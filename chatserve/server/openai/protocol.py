@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from chatserve.server.chat.protocol import (
+    MAX_INT32,
     REFUSED_CHAT,
     REFUSED_SAMPLING,
     RESERVED_TEMPLATE_KWARGS,
@@ -21,6 +22,7 @@ from chatserve.server.chat.protocol import (
     SamplingFields,
     ToolChoiceField,
     ToolDefinition,
+    check_length,
     check_tools,
     field_error,
 )
@@ -29,23 +31,33 @@ from chatserve.server.chat.protocol import (
 class ChatCompletionRequest(SamplingFields):
     refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_CHAT}
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     # Passed to the chat template as variables (e.g. Qwen3's enable_thinking), as vLLM does.
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: Annotated[list[ToolDefinition], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_length(value, info, "max_messages", "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_length(value, info, "max_tools", "tools")
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
         for key in kwargs or {}:
             if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
-                raise ValueError(f"{key!r} cannot be set through chat_template_kwargs (use the request's own "
+                raise ValueError(f"{key[:64]!r} cannot be set through chat_template_kwargs (use the request's own "
                                  f"fields; template variables must be identifiers)")
         return kwargs
 
@@ -63,9 +75,10 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-PromptInput = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
-    list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)
-]
+TokenId = Annotated[int, Field(ge=-MAX_INT32 - 1, le=MAX_INT32)]
+PromptInput = str | Annotated[list[str], Field(min_length=1, fail_fast=True)] | Annotated[
+    list[TokenId], Field(min_length=1, fail_fast=True)
+] | Annotated[list[Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]], Field(min_length=1, fail_fast=True)]
 
 
 class CompletionRequest(SamplingFields):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from chatserve.engine.input_processor import ProcessedPrompt
@@ -24,7 +24,7 @@ from chatserve.server.chat.replies import collect_reply, logged_stream, stream_e
 from chatserve.server.chat.tool_replies import ToolChatFormat
 from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
-from chatserve.server.errors import APIError, bad_request
+from chatserve.server.errors import APIError, JSONResponse, bad_request
 from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
@@ -64,7 +64,7 @@ class ChatAdapter(ServingAdapter):
 
     async def prepare(self, ctx: ServerContext) -> ServeSpec:
         body = self.body
-        ids, plan = chat_token_ids(ctx, body)
+        ids, plan = await ctx.off_loop(chat_token_ids, ctx, body)  # the template and tokenizer, off the event loop
         return ServeSpec([ids], body, body.effective_max_tokens(), body.num_logprobs(), tools=plan)
 
     async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:

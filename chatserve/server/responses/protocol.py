@@ -15,18 +15,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from chatserve.server.chat.protocol import (
+    CallArguments,
     FunctionDefinition,
     FunctionName,
     JSONSchemaSpec,
     NamedFunction,
     NamedToolChoice,
     Penalty,
+    PositiveInt,
     Refusal,
     ResponseFormat,
     SamplingFields,
+    SchemaObject,
     Seed,
     StrictModel,
     Temperature,
@@ -35,6 +38,7 @@ from chatserve.server.chat.protocol import (
     TopP,
     _one_of,
     _unset,
+    check_length,
     check_tools,
     field_error,
 )
@@ -94,7 +98,7 @@ class MessageItem(StrictModel):
     model_config = _LENIENT  # clients send back output items whole (status, annotations, logprobs, ...)
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)]
     id: str | None = None
     status: str | None = None
 
@@ -116,7 +120,7 @@ class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: Annotated[str, Field(min_length=1)]
     name: str
-    arguments: str
+    arguments: CallArguments
     id: str | None = None
     status: str | None = None
 
@@ -127,7 +131,7 @@ class FunctionCallOutputItem(StrictModel):
     model_config = _LENIENT
     type: Literal["function_call_output"]
     call_id: Annotated[str, Field(min_length=1)]
-    output: str | list[ContentPart]
+    output: str | Annotated[list[ContentPart], Field(fail_fast=True)]
     id: str | None = None
     status: str | None = None
 
@@ -158,7 +162,7 @@ InputItem = Annotated[
 # A string, or items: told apart up front, so an error names the item at fault, not the string it is not.
 InputField = Annotated[
     Annotated[Annotated[str, Field(min_length=1)], Tag("text")] |
-    Annotated[Annotated[list[InputItem], Field(min_length=1)], Tag("items")],
+    Annotated[Annotated[list[InputItem], Field(min_length=1, fail_fast=True)], Tag("items")],
     Discriminator(lambda v: "text" if isinstance(v, str) else "items"),
 ]
 
@@ -169,7 +173,7 @@ class FunctionTool(StrictModel):
     type: Literal["function"]
     name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: SchemaObject | None = None
     strict: bool | None = None
 
 
@@ -186,7 +190,7 @@ class TextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(max_length=64)] | None = None
     description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    json_schema: SchemaObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
     @model_validator(mode="after")
@@ -239,14 +243,15 @@ class ResponsesRequest(StrictModel):
     background: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], Field(fail_fast=True)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = None
+    """(at most 16 keys: counted before the keys and values are checked, see `_metadata_bounded`)"""
     truncation: Literal["disabled", "auto"] = "disabled"
     user: str | None = None  # stored and echoed; no effect on the reply
     safety_identifier: str | None = None  # idem
@@ -256,7 +261,7 @@ class ResponsesRequest(StrictModel):
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # the include/reasoning/... fields of REFUSED_RESPONSES: declared so that forbid does not pre-empt
     # the refusal's clearer message; only their neutral values ever get here
-    include: list[Any] | None = None
+    include: Annotated[list[Any], Field(fail_fast=True)] | None = None
     reasoning: dict[str, Any] | None = None
     prompt: Any = None
     conversation: Any = None
@@ -279,8 +284,9 @@ class ResponsesRequest(StrictModel):
 
     @field_validator("input", mode="before")
     @classmethod
-    def _known_item_types(cls, value: Any) -> Any:
+    def _known_item_types(cls, value: Any, info: ValidationInfo) -> Any:
         """An item type we cannot take (reasoning, web search calls, item_reference, ...) by its name."""
+        check_length(value, info, "max_messages", "input items")
         if isinstance(value, list):
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
@@ -291,9 +297,17 @@ class ResponsesRequest(StrictModel):
                                                    f"send {', '.join(INPUT_ITEM_TYPES)}", "unsupported_field")
         return value
 
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_bounded(cls, value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > 16:
+            raise ValueError(f"metadata has at most 16 keys, got {len(value)}")
+        return value
+
     @field_validator("tools", mode="before")
     @classmethod
-    def _function_tools_only(cls, value: Any) -> Any:
+    def _function_tools_only(cls, value: Any, info: ValidationInfo) -> Any:
+        check_length(value, info, "max_tools", "tools")
         if isinstance(value, list):
             for i, tool in enumerate(value):
                 kind = tool.get("type") if isinstance(tool, dict) else None

@@ -21,15 +21,15 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from chatserve.server.chat.generation import Generation
 from chatserve.server.chat.prompts import chat_prompt_ids, continue_history, next_tool_turn_ids
 from chatserve.server.chat.tool_request import ToolPlan, conversation, plan_tools
 from chatserve.server.context import ServerContext, get_context
-from chatserve.server.errors import APIError, bad_request
-from chatserve.server.http_input import parse_model, read_body
+from chatserve.server.errors import APIError, JSONResponse, bad_request
+from chatserve.server.http_input import parse_model_off_loop, read_body
 from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.responses.input import chat_messages, clean_param, input_items
 from chatserve.server.responses.protocol import ResponsesRequest
@@ -70,7 +70,8 @@ def _not_found(rid: str) -> APIError:
 
 async def _read_body(request: Request, ctx: ServerContext) -> ResponsesRequest:
     try:
-        return parse_model(ResponsesRequest, await read_body(request, ctx.settings.max_body_bytes))
+        return await parse_model_off_loop(ResponsesRequest, await read_body(request, ctx.settings.max_body_bytes),
+                                          ctx.settings)
     except APIError as exc:
         exc.param = clean_param(exc.param)
         raise
@@ -79,8 +80,8 @@ async def _read_body(request: Request, ctx: ServerContext) -> ResponsesRequest:
 # ---- building the prompt ----------------------------------------------------------------------------
 async def _prompt_ids(ctx: ServerContext, body: ResponsesRequest, plan: ToolPlan | None) -> tuple[list[int], str | None]:
     """The prompt's exact token ids and the instructions the response reports."""
-    if body.previous_response_id is None:
-        return chat_prompt_ids(ctx, chat_messages(body), True, None, plan), body.instructions
+    if body.previous_response_id is None:  # (rendering and tokenizing run off the event loop)
+        return await ctx.off_loop(chat_prompt_ids, ctx, chat_messages(body), True, None, plan), body.instructions
     prev_id = body.previous_response_id
     with store_errors():
         prev = await _store(ctx).get(prev_id) if is_valid_response_id(prev_id) else None
@@ -107,11 +108,11 @@ async def _prompt_ids(ctx: ServerContext, body: ResponsesRequest, plan: ToolPlan
     engine = ctx.engine
     uses_tools = plan is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools:
-        ids = next_tool_turn_ids(engine.input_processor, history, messages, engine.eos_token_ids, plan,
-                                 ctx.chat_template)
+        ids = await ctx.off_loop(next_tool_turn_ids, engine.input_processor, history, messages, engine.eos_token_ids,
+                                 plan, ctx.chat_template)
     else:
-        ids = continue_history(engine.tokenizer, history, messages, engine.eos_token_ids,
-                               chat_template=ctx.chat_template)
+        ids = await ctx.off_loop(continue_history, engine.tokenizer, history, messages, engine.eos_token_ids,
+                                 chat_template=ctx.chat_template)
     return ids, stored_instructions
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from chatserve.server.chat.protocol import (
+    MAX_INT32,
     REFUSED_SAMPLING,
     REFUSED_SESSION,
     Penalty,
@@ -25,6 +26,7 @@ from chatserve.server.chat.protocol import (
     ToolDefinition,
     TopK,
     TopP,
+    check_length,
     check_tools,
     field_error,
 )
@@ -41,7 +43,7 @@ class SessionDefaults(StrictModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16, fail_fast=True)] | None = None
     seed: Seed | None = None
     # not sampling: how long this session's cached KV stays leased after each turn (the server's
     # --kv-lease-seconds when unset; 0: no lease)
@@ -67,7 +69,7 @@ class UpdateSessionRequest(StrictModel):
 class ForkSessionRequest(StrictModel):
     """POST /v1/sessions/{id}/fork: a new session with the first `keep_turns` turns of this one."""
 
-    keep_turns: Annotated[int, Field(ge=0)]
+    keep_turns: Annotated[int, Field(ge=0, le=MAX_INT32)]
     title: Annotated[str, Field(max_length=200)] | None = None
     metadata: dict[str, Any] | None = None
 
@@ -88,10 +90,20 @@ class SessionMessageRequest(SamplingFields):
     stream: bool = True
     logprobs: bool = False
     # tools offered this turn, and the results of the calls the last reply made (then content is optional)
-    tools: list[ToolDefinition] | None = None
+    tools: Annotated[list[ToolDefinition], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
-    tool_results: Annotated[list[ToolResult], Field(min_length=1)] | None = None
+    tool_results: Annotated[list[ToolResult], Field(min_length=1, fail_fast=True)] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_length(value, info, "max_tools", "tools")
+
+    @field_validator("tool_results", mode="before")
+    @classmethod
+    def _results_bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_length(value, info, "max_messages", "tool_results")
 
     @model_validator(mode="after")
     def _says_something(self) -> SessionMessageRequest:

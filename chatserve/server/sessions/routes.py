@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from chatserve.server.chat.choices import Accumulator
@@ -29,7 +29,7 @@ from chatserve.server.chat.replies import collect_reply, logged_stream, stream_e
 from chatserve.server.chat.tool_replies import ToolChatFormat
 from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
-from chatserve.server.errors import APIError, bad_request
+from chatserve.server.errors import APIError, JSONResponse, bad_request
 from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.sessions.cache import report_for_api, turn_kv
@@ -222,7 +222,7 @@ class TurnAdapter(ServingAdapter):
                 raise SessionNotFound(sid)
             session, messages = found
             history = await store.get_history_tokens(sid)
-        planned = self.plan(session, messages, history)
+        planned = await ctx.off_loop(self.plan, session, messages, history)  # renders and tokenizes: off the loop
         tool_plan = session_tool_plan(ctx, body) if isinstance(body, SessionMessageRequest) else None
         self.turn = SessionTurn(store, sid, self.token, session.num_turns, planned.user_text, planned.prompt_ids,
                                 replace_last_turn=planned.replace_last_turn, user_created_at=planned.user_created_at,

@@ -30,6 +30,8 @@ from typing import Any
 from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 
+from chatserve.server.json_checks import escape_surrogates, has_surrogates
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEND_TIMEOUT_S = 60.0  # ServerSettings.sse_send_timeout_s, for an app without settings
@@ -41,8 +43,10 @@ _LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
 
 
 def dumps(obj: Any) -> str:
-    """Compact JSON for one SSE data line: UTF-8 as is, except the line breaks splitlines() sees."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_KEEPS)
+    """Compact JSON for one SSE data line: UTF-8 as is, except the line breaks splitlines() sees and a
+    lone surrogate (a reply can decode to one), which are written as their escapes."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_KEEPS)
+    return escape_surrogates(text) if has_surrogates(text) else text
 
 
 def data_event(data: Any) -> dict[str, Any]:

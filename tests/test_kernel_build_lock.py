@@ -99,7 +99,7 @@ def test_the_session_built_kernels_from_staged_copies():
         pytest.skip("no kernel tier on this CPU")
     module = build_tier_module(TIERS[tiers[-1].name])
     if module is None:
-        pytest.skip("the kernels could not be built here")
+        pytest.fail("the kernels of a tier this CPU runs could not be built")
     from pathlib import Path
 
     build_dir = Path(module.__file__).parent

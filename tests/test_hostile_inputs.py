@@ -418,6 +418,19 @@ async def test_a_flood_of_invalid_list_items_is_one_error(engine) -> None:
     assert engine.requests == []
 
 
+async def test_a_flood_of_unknown_keys_is_one_error(engine) -> None:
+    """The Responses API refuses unknown fields (as OpenAI does): the first one, not one error per key."""
+    unknown = {f"k{i}": 1 for i in range(100_000)}
+    async with app_client(engine, max_body_bytes=8 * 1024 * 1024) as client:
+        top = await client.post("/v1/responses", json={"input": "x", **unknown})
+        nested = await client.post("/v1/responses", json={"input": "x", "tools": [
+            {"type": "function", "name": "f", **unknown}]})
+    err = assert_error(top, 400, param="k0", contains="Extra inputs are not permitted")
+    assert extra_errors(err["message"]) == 0, err
+    err = assert_error(nested, 400, param="tools.0.k0")
+    assert extra_errors(err["message"]) == 0, err
+
+
 async def test_the_list_limits_are_flags(engine) -> None:
     async with app_client(engine, max_tools=2, max_stop_token_ids=1) as client:
         tools = await client.post("/v1/chat/completions", json={**CHAT, "tools": [tool(None, f"t{i}") for i in range(3)]})

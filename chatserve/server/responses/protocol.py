@@ -46,6 +46,37 @@ from chatserve.server.chat.protocol import (
 _FORBID = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
 _LENIENT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
+
+
+class ForbidModel(StrictModel):
+    """A Responses object that refuses fields it does not know, as OpenAI does: the first unknown key
+    is the 400 (pydantic's own `extra="forbid"` makes one error per key, and building 200k of them
+    held the event loop for seconds)."""
+
+    model_config = _FORBID
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_unknown_field(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = _known_keys(cls)
+            for key in data:
+                if key not in known:
+                    raise field_error(str(key)[:64], "Extra inputs are not permitted")
+        return data
+
+
+_KNOWN_KEYS: dict[type, frozenset[str]] = {}
+
+
+def _known_keys(cls: type[StrictModel]) -> frozenset[str]:
+    """A model's field names and aliases (computed once per model)."""
+    keys = _KNOWN_KEYS.get(cls)
+    if keys is None:
+        keys = _KNOWN_KEYS[cls] = frozenset(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+    return keys
+
+
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
 TOOL_TYPES = ("function",)
 
@@ -168,7 +199,7 @@ InputField = Annotated[
 
 
 # ---- tools, tool_choice, text.format --------------------------------------------------------------
-class FunctionTool(StrictModel):
+class FunctionTool(ForbidModel):
     model_config = _FORBID
     type: Literal["function"]
     name: FunctionName
@@ -177,13 +208,13 @@ class FunctionTool(StrictModel):
     strict: bool | None = None
 
 
-class FunctionToolChoice(StrictModel):
+class FunctionToolChoice(ForbidModel):
     model_config = _FORBID
     type: Literal["function"]
     name: str
 
 
-class TextFormat(StrictModel):
+class TextFormat(ForbidModel):
     """`text.format`: plain text, any JSON object, or JSON matching a schema (constrained decoding)."""
 
     model_config = _FORBID
@@ -202,14 +233,14 @@ class TextFormat(StrictModel):
         return self
 
 
-class TextConfig(StrictModel):
+class TextConfig(ForbidModel):
     refused: ClassVar[Mapping[str, Refusal]] = {"verbosity": (_one_of("medium"), "text.verbosity")}
     model_config = _FORBID
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class StreamOptions(StrictModel):
+class StreamOptions(ForbidModel):
     model_config = _FORBID
     include_obfuscation: bool = False  # padding against length side channels: we send none either way
 
@@ -229,7 +260,7 @@ REFUSED_RESPONSES: Mapping[str, Refusal] = {
 }
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(ForbidModel):
     """`POST /v1/responses`."""
 
     refused: ClassVar[Mapping[str, Refusal]] = REFUSED_RESPONSES

@@ -104,6 +104,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = {404: f"no route for {request.method} {request.url.path}", 405: f"method {request.method} is not allowed on "
                f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    if request.url.path.startswith("/v1/messages"):  # the router's 404/405 on the Messages API: Anthropic's shape
+        from chatserve.server.anthropic.errors import error_body as anthropic_error_body
+
+        return JSONResponse(anthropic_error_body(exc.status_code, message, None), status_code=exc.status_code,
+                            headers=exc.headers)
     return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
 

@@ -1,6 +1,8 @@
 """What every request passes before it reaches a route, as pure ASGI middleware (outermost first):
 
-1. `ErrorCount`: the count of error statuses for /metrics and the `X-Chatserve-Instance` header.
+1. `ErrorCount`: the count of error statuses for /metrics and the `X-Chatserve-Instance` header; a
+   client that hung up before its body arrived (`ClientDisconnect`) ends here quietly instead of
+   reaching uvicorn as an exception (there is nobody left to answer).
 2. `BrowserGuard`: what keeps web pages away from the API without touching curl or the SDKs.
    - **Host** (DNS rebinding, Jupyter's rule): bound to a loopback address, the `Host` header must
      name a loopback host (`localhost`, `*.localhost`, 127.0.0.0/8, ::1), the bind address, or one
@@ -28,17 +30,21 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 
 from chatserve.server.anthropic.errors import error_body as anthropic_error_body
 from chatserve.server.errors import error_body
 from chatserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 _ANTHROPIC_PREFIX = "/v1/messages"
 
@@ -95,7 +101,10 @@ class ErrorCount:
                     message = {**message, "headers": [*message.get("headers", ()), *self.instance_header]}
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except ClientDisconnect:
+            logger.debug("%s %s: the client left before its request body arrived", scope["method"], scope["path"])
 
 
 # ---- Host and Origin --------------------------------------------------------------------------------

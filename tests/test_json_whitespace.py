@@ -255,8 +255,11 @@ def test_a_cut_block_is_partial_calls_not_markup(fmt, text, calls):
     parsed = parse_tool_calls(text, fmt, names, truncated=True)
     assert parsed.content is None
     assert [(c.name, c.arguments, c.complete) for c in parsed.tool_calls] == calls
-    # not cut by the budget (a stop string, an EOS): the open block stays text, as before
-    assert "<tool_call>" in (parse_tool_calls(text, fmt, names).content or "")
+    # not cut by the budget (a stop string, an EOS): a call that had started streaming (its name and
+    # arguments' "{" were out) stays a call as far as it got; a block no call started from stays text
+    plain = parse_tool_calls(text, fmt, names)
+    assert [(c.name, c.arguments) for c in plain.tool_calls] == [(n, a) for n, a, _ in calls[:len(plain.tool_calls)]]
+    assert plain.tool_calls or "<tool_call>" in (plain.content or "")
 
 
 def test_a_cut_block_whose_function_cannot_be_named_stays_text():

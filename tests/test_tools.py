@@ -55,11 +55,12 @@ def test_text_before_a_call_is_content_and_parallel_calls_keep_their_order() -> 
 
 @pytest.mark.parametrize("text", [
     '<tool_call>[{"name": "unknown_fn", "arguments": {}}]</tool_call>',  # not a tool of this request
-    '<tool_call>[{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
-    '<tool_call>[{"name": "get_weather", "arguments": {}}]',  # never closed
+    '<tool_call>[{"name": get_weather, "arguments": {}}]</tool_call>',  # not JSON
+    '<tool_call>[{"name": "get_weather"',  # never closed, and no call had started (its arguments had not begun)
     "I use <tool_ sometimes",  # only a partial opening
 ])
 def test_what_is_not_a_call_of_a_known_tool_stays_text(text) -> None:
+    # (a call that had started streaming stays a call: tests/test_tool_call_streaming.py)
     parsed = parse_tool_calls(text, XLAM, {"get_weather"}, ids())
     assert parsed.tool_calls == [] and parsed.content == text
 
@@ -204,13 +205,16 @@ async def test_streamed_call_deltas_reassemble_to_the_same_call(smollm_tokenizer
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     content = "".join(d.get("content") or "" for d in deltas)
     calls: dict[int, dict[str, Any]] = {}
+    pieces = 0
     for d in deltas:
         for tc in d.get("tool_calls", []):
             entry = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
             if "id" in tc:
                 assert entry["id"] is None and entry["arguments"] == "", "id and name come first"
                 entry.update(id=tc["id"], name=tc["function"]["name"])
+            pieces += bool(tc["function"].get("arguments"))
             entry["arguments"] += tc["function"].get("arguments", "")
+    assert pieces > 1, "the arguments stream in pieces as they are generated"
     assert content == "Checking. "
     assert "<tool_call>" not in content
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

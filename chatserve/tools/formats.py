@@ -7,9 +7,11 @@ Two formats, both opened by `<tool_call>` and closed by `</tool_call>`:
 - `HERMES` (Qwen2/2.5/3, Hermes, and most templates that render `tools`): one block per call,
   `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`.
 
-Each format can say which calls a block holds (`calls_in_block`) and build the xgrammar
-structural-tag pieces (`block_tags`) whose output is exactly such a block with arguments that
-validate against the function's schema.
+Each format can say which calls a block holds (`calls_in_block`, `partial_calls_in_block` for a
+block cut off by max_tokens) and build the xgrammar structural-tag pieces (`block_tags`) whose output
+is exactly such a block with arguments that validate against the function's schema. Reading calls
+as they stream, arguments and all, is `chatserve.tools.parser`'s incremental scanner; `partial_call`
+names a call it was cut inside of.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def _partial_object(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]
 @dataclass(frozen=True)
 class PartialCall:
     """A call read out of a block that was cut off (max_tokens): its arguments are the text as far as
-    it was generated (`complete`: they are a whole JSON value, normalised like a finished call's)."""
+    it was generated, as generated (`complete`: they are a whole JSON object)."""
 
     name: str
     arguments: str
@@ -169,12 +171,20 @@ def _partial_call(text: str, start: int, known: list[str]) -> tuple[PartialCall 
     if span is None:
         return PartialCall(name, "", False), end
     raw = text[span[0]:span[1] if span[1] is not None else len(text)]
-    if span[1] is not None:
-        try:
-            return PartialCall(name, json.dumps(json.loads(raw), ensure_ascii=False), True), end
-        except ValueError:
-            pass
-    return PartialCall(name, raw, False), end
+    if raw.startswith('"'):  # the arguments as a JSON string holding their JSON text
+        raw = str(json.loads(raw)) if span[1] is not None else _partial_string(raw[1:])
+    try:
+        whole = isinstance(json.loads(raw), dict)
+    except ValueError:
+        whole = False
+    return PartialCall(name, raw, whole), end
+
+
+def partial_call(text: str, start: int, known: list[str]) -> PartialCall | None:
+    """The call whose object starts at `text[start] == "{"` and was cut off at the end of `text`: its
+    function (the name written, or the one of `known` a cut name or no name can only be) and its
+    arguments' text as far as generated; None if it cannot be named."""
+    return _partial_call(text, start, known)[0]
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,14 @@
 
 `MessageBuilder` is fed the reply's text deltas. Text goes through the request's tool-call parser
 (the one the OpenAI replies use, `tools/parser.py`) when the request offers tools: text that cannot
-be part of a call opens (or continues) a `text` block at once, a call becomes a `tool_use` block
-(`content_block_start` with its id and name, `input_json_delta` with its arguments,
-`content_block_stop`). The non-streaming body is the blocks those same events built, so both ways
-give the same content. `stop_reason` follows Anthropic: `end_turn`, `stop_sequence` (with the
-matched `stop_sequence`), `max_tokens`, `model_context_window_exceeded` (the context, not the
-budget, ended the reply) and `tool_use`.
+be part of a call opens (or continues) a `text` block at once, a call becomes a `tool_use` block:
+`content_block_start` (its id and name, `input: {}`) as soon as its name is known, an
+`input_json_delta` for each piece of its arguments' JSON as it is generated, `content_block_stop`
+when the call ends (then the block's `input` is the arguments parsed). The non-streaming body is the
+blocks those same events built, so both ways give the same content. `stop_reason` follows Anthropic:
+`end_turn`, `stop_sequence` (with the matched `stop_sequence`), `max_tokens`,
+`model_context_window_exceeded` (the context, not the budget, ended the reply) and `tool_use` (each
+call whole: a call a stop sequence cut short ends the turn as that stop).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sse_starlette.event import ServerSentEvent
 from chatserve.server.chat.tool_request import ToolPlan
 from chatserve.server.streams.sse import dumps
 from chatserve.tools import ToolCallStreamParser
-from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent
+from chatserve.tools.parser import ArgumentsDelta, CallEnd, CallStart, StreamEvent, TextEvent
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -93,6 +95,7 @@ class MessageBuilder:
     blocks: list[dict[str, Any]] = field(default_factory=list)
     _open_text: bool = False
     _parser: ToolCallStreamParser | None = None
+    _call_blocks: dict[int, int] = field(default_factory=dict)  # a call's index -> its block's
 
     def __post_init__(self) -> None:
         if self.plan is not None and self.plan.parses_calls:
@@ -101,7 +104,7 @@ class MessageBuilder:
 
     @property
     def called(self) -> bool:
-        return self._parser is not None and bool(self._parser.calls)
+        return self._parser is not None and self._parser.called
 
     def message(self, usage: AnthropicUsage, stop: str | None, stop_sequence: str | None,
                 content: bool = True) -> dict[str, Any]:
@@ -112,7 +115,7 @@ class MessageBuilder:
     def feed(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
-        events = self._parser.feed(text) if self._parser is not None else [TextEvent(text)]
+        events: list[StreamEvent] = self._parser.feed(text) if self._parser is not None else [TextEvent(text)]
         return self._blocks(events)
 
     def finish(self, truncated: bool) -> list[dict[str, Any]]:
@@ -141,15 +144,18 @@ class MessageBuilder:
                 self.blocks[-1]["text"] += e.text
                 out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
                             "delta": {"type": "text_delta", "text": e.text}})
-            elif isinstance(e, CallEvent):
+            elif isinstance(e, CallStart):
                 out += self._close_text()
-                index = len(self.blocks)
-                self.blocks.append({"type": "tool_use", "id": e.call.id, "name": e.call.name,
-                                    "input": _input_object(e.call.arguments)})
+                index = self._call_blocks[e.index] = len(self.blocks)
+                self.blocks.append({"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
                 out.append({"type": "content_block_start", "index": index,
-                            "content_block": {"type": "tool_use", "id": e.call.id, "name": e.call.name, "input": {}}})
-                out.append({"type": "content_block_delta", "index": index,
-                            "delta": {"type": "input_json_delta", "partial_json": e.call.arguments}})
+                            "content_block": {"type": "tool_use", "id": e.id, "name": e.name, "input": {}}})
+            elif isinstance(e, ArgumentsDelta):
+                out.append({"type": "content_block_delta", "index": self._call_blocks[e.index],
+                            "delta": {"type": "input_json_delta", "partial_json": e.text}})
+            elif isinstance(e, CallEnd):
+                index = self._call_blocks[e.index]
+                self.blocks[index]["input"] = _input_object(e.call.arguments)
                 out.append({"type": "content_block_stop", "index": index})
         return out
 

@@ -2,12 +2,13 @@
 
 `ToolChatFormat` is a `ChatFormat` whose text goes through a `ToolCallStreamParser` per choice:
 text that cannot be part of a call streams as `delta.content` at once; a possible opening
-`<tool_call>` is held back until it is known; a complete call streams as OpenAI does, one chunk
-with its `index`, `id`, `type` and `function.name` (arguments ""), then one with its
-`function.arguments`. A choice that called tools and stopped finishes with "tool_calls"; one cut
-by max_tokens inside a call finishes with "length", its partial call (name, arguments as
-generated) in `tool_calls` as vLLM sends a named tool choice, never the call's markup as text. The
-accumulated raw text (what a session stores) is untouched; only its presentation changes.
+`<tool_call>` is held back until it is known; a call streams as OpenAI and vLLM stream one: a chunk
+with its `index`, `id`, `type` and `function.name` (arguments "") as soon as its name is known, then
+`function.arguments` chunks (`index` only) as its arguments are generated, which concatenate to the
+body's `arguments`. A choice that called tools (each call whole) and stopped finishes with
+"tool_calls"; one cut by max_tokens inside a call finishes with "length", its partial call (name,
+arguments as generated) in `tool_calls` as vLLM sends a named tool choice, never the call's markup
+as text. The accumulated raw text (what a session stores) is untouched; only its presentation changes.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from chatserve.server.chat.choices import Accumulator, ChoiceDelta
 from chatserve.server.chat.chunks import ChatFormat, chat_logprobs
 from chatserve.server.chat.tool_request import ToolPlan
 from chatserve.tools import ToolCallStreamParser, parse_tool_calls
-from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent
+from chatserve.tools.parser import ArgumentsDelta, CallStart, StreamEvent, TextEvent
 
 
 def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """"tool_calls" for a reply that stopped having called tools (`called`: at least one call, each whole;
+    a call a stop string cut short keeps "stop")."""
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
@@ -50,7 +53,7 @@ class ToolChatFormat(ChatFormat):
                                "logprobs": chat_logprobs(d, self.top_logprobs), "finish_reason": None})
         if d.finish_reason:
             out.append({"index": d.index, "delta": {}, "logprobs": None,
-                        "finish_reason": tool_finish_reason(d.finish_reason, bool(parser.calls))})
+                        "finish_reason": tool_finish_reason(d.finish_reason, parser.called)})
         return out
 
     @staticmethod
@@ -59,13 +62,13 @@ class ToolChatFormat(ChatFormat):
         for e in events:
             if isinstance(e, TextEvent):
                 out.append({"index": index, "delta": {"content": e.text}, "logprobs": None, "finish_reason": None})
-            elif isinstance(e, CallEvent):
-                opening = {"index": e.index, "id": e.call.id, "type": "function",
-                           "function": {"name": e.call.name, "arguments": ""}}
+            elif isinstance(e, CallStart):
+                opening = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
                 out.append({"index": index, "delta": {"tool_calls": [opening]}, "logprobs": None, "finish_reason": None})
-                arguments = {"index": e.index, "function": {"arguments": e.call.arguments}}
+            elif isinstance(e, ArgumentsDelta):
+                arguments = {"index": e.index, "function": {"arguments": e.text}}
                 out.append({"index": index, "delta": {"tool_calls": [arguments]}, "logprobs": None, "finish_reason": None})
-        return out
+        return out  # (a CallEnd sends nothing: OpenAI's stream has no end-of-call chunk)
 
     def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
         choice = super().whole_choice(acc, index)
@@ -75,5 +78,5 @@ class ToolChatFormat(ChatFormat):
         if parsed.tool_calls:
             choice["message"]["content"] = parsed.content
             choice["message"]["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-            choice["finish_reason"] = tool_finish_reason(c.finish_reason, True)
+            choice["finish_reason"] = tool_finish_reason(c.finish_reason, all(call.complete for call in parsed.tool_calls))
         return choice

@@ -4,9 +4,11 @@ One `OutputBuilder` per response: the reply's deltas go in (through the request'
 when tools may be called, the same `ToolCallStreamParser` the chat route streams with), and out
 come the events (`response.output_item.added`, `response.content_part.added`,
 `response.output_text.delta`, `response.function_call_arguments.delta` / `.done`, ...) and, at the
-end, the finished `output` list. The non-streaming body is that same list, so a streamed and a
-whole reply cannot differ. Field names are exactly the openai SDK's (openai/types/responses/),
-whose `client.responses.stream` checks every event against what came before it.
+end, the finished `output` list. A function call's item is added as soon as its name is known, and
+its `function_call_arguments.delta` events carry its arguments as they are generated. The
+non-streaming body is that same list, so a streamed and a whole reply cannot differ. Field names
+are exactly the openai SDK's (openai/types/responses/), whose `client.responses.stream` checks every
+event against what came before it.
 
 Events leave without `sequence_number`; `Sequencer` numbers them once, where they are emitted.
 """
@@ -18,7 +20,7 @@ from typing import Any
 from chatserve.server.chat.tool_request import ToolPlan
 from chatserve.sessions.response_store import new_item_id
 from chatserve.tools import ToolCall, ToolCallStreamParser
-from chatserve.tools.parser import CallEvent, StreamEvent, TextEvent
+from chatserve.tools.parser import ArgumentsDelta, CallEnd, CallStart, StreamEvent, TextEvent
 
 
 class Sequencer:
@@ -39,6 +41,7 @@ class OutputBuilder:
         self._parser: ToolCallStreamParser | None = plan.parser() if plan is not None and plan.parses_calls else None
         self._message: dict[str, Any] | None = None  # the open message item, if any
         self._text: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}  # a call's index -> its function_call item
 
     @property
     def called_tools(self) -> bool:
@@ -63,8 +66,15 @@ class OutputBuilder:
         for e in parsed:
             if isinstance(e, TextEvent):
                 out += self._text_events(e.text)
-            elif isinstance(e, CallEvent):
-                out += self._call_events(e.call)
+            elif isinstance(e, CallStart):
+                out += self._call_start(e)
+            elif isinstance(e, ArgumentsDelta):
+                item = self._calls[e.index]
+                item["arguments"] += e.text
+                out.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                            "output_index": self.output.index(item), "delta": e.text})
+            elif isinstance(e, CallEnd):
+                out += self._call_end(e.index, e.call)
         return out
 
     def _text_events(self, text: str) -> list[dict[str, Any]]:
@@ -102,21 +112,25 @@ class OutputBuilder:
             {"type": "response.output_item.done", "output_index": index, "item": _copy(item)},
         ]
 
-    def _call_events(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _call_start(self, e: CallStart) -> list[dict[str, Any]]:
         out = self._close_message("completed")
-        item = {"id": new_item_id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
+        item = {"id": new_item_id("fc"), "type": "function_call", "call_id": e.id, "name": e.name,
                 "arguments": "", "status": "in_progress"}
+        self._calls[e.index] = item
         self.output.append(item)
-        index = len(self.output) - 1
-        out.append({"type": "response.output_item.added", "output_index": index, "item": _copy(item)})
-        out.append({"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
-                    "delta": call.arguments})
-        item["arguments"] = call.arguments
-        item["status"] = "completed" if call.complete else "incomplete"  # (cut by max_output_tokens)
-        out.append({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
-                    "name": call.name, "arguments": call.arguments})
-        out.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
+        out.append({"type": "response.output_item.added", "output_index": len(self.output) - 1, "item": _copy(item)})
         return out
+
+    def _call_end(self, index: int, call: ToolCall) -> list[dict[str, Any]]:
+        item = self._calls[index]
+        output_index = self.output.index(item)
+        item["arguments"] = call.arguments  # (the deltas' concatenation already)
+        item["status"] = "completed" if call.complete else "incomplete"  # (cut by max_output_tokens)
+        return [
+            {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": output_index,
+             "name": call.name, "arguments": call.arguments},
+            {"type": "response.output_item.done", "output_index": output_index, "item": _copy(item)},
+        ]
 
 
 def _text_part(text: str) -> dict[str, Any]:

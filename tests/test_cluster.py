@@ -30,7 +30,15 @@ import pytest
 import redis
 
 import chatserve.cluster
-from chatserve.cluster import Cluster, ClusterSpec, Process, consecutive_free_ports, router_command, run_cluster
+from chatserve.cluster import (
+    Cluster,
+    ClusterSpec,
+    Process,
+    consecutive_free_ports,
+    replica_command,
+    router_command,
+    run_cluster,
+)
 
 from .helpers import prefork
 from .helpers.net import HTTP, free_port, wait_until
@@ -67,6 +75,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         replicas=2, router_port=free_port(), first_replica_port=ports, policy="sticky_least_loaded",
         redis_url=REDIS_URL, threads_per_replica=1, log_dir=tmp_path_factory.mktemp("cluster-logs"),
         kv_events=True, kv_events_first_port=ports + 2,  # for the kv_aware router
+        allowed_origins=("https://app.example",),
         serve_args=("--max-model-len", "2048", "--log-level", "warning", "--session-turn-lock-ttl-s", "4",
                     "--shutdown-grace-s", "2"),
         env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -263,6 +272,40 @@ def test_a_cancel_through_the_router_stops_the_right_request(cluster: Cluster) -
             assert stream.finish_reasons == ["abort"], stream
     finally:
         router.stop()
+
+
+def test_pages_through_the_router_keep_working_and_foreign_ones_are_refused(cluster: Cluster) -> None:
+    """The router forwards Origin but rewrites Host: each replica allows the router's origin and
+    --allowed-origins (which also get the router's CORS headers); any other origin is a 403."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    with httpx.Client(base_url=cluster.spec.router_url, timeout=120) as client:
+        for origin in cluster.spec.router_origins():  # the web page served through the router
+            resp = client.post("/v1/chat/completions", json=body, headers={"Origin": origin})
+            assert resp.status_code == 200, (origin, resp.text)
+        resp = client.post("/v1/chat/completions", json=body, headers={"Origin": "https://app.example"})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        resp = client.options("/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        # (vllm-router itself answers a text/plain body 415; a JSON one reaches the replica, which refuses it)
+        resp = client.post("/v1/chat/completions", json=body, headers={"Origin": "https://evil.example"})
+        assert resp.status_code == 403 and resp.json()["error"]["code"] == "origin_not_allowed", resp.text
+        assert "access-control-allow-origin" not in resp.headers
+
+
+def test_cluster_origins_reach_the_replicas_and_the_router() -> None:
+    spec = ClusterSpec(router_port=9000, first_replica_port=9001, allowed_origins=("https://a.example",))
+    replica = replica_command(spec, 0)
+    at = replica.index("--allowed-origins")
+    assert replica[at + 1:at + 5] == ["http://127.0.0.1:9000", "http://localhost:9000", "http://[::1]:9000",
+                                      "https://a.example"]
+    assert replica[at + 5].startswith("--")
+    router = router_command(ClusterSpec(allowed_origins=("https://a.example",), policy="round_robin"), 1)
+    assert router[router.index("--cors-allowed-origins") + 1] == "https://a.example"
+    assert "--cors-allowed-origins" not in router_command(ClusterSpec(policy="round_robin"), 1)
+    with pytest.raises(RuntimeError, match="--allowed-origins"):
+        replica_command(ClusterSpec(serve_args=("--allowed-origins", "https://b.example")), 0)
 
 
 def test_a_killed_replica_loses_no_finished_turn_and_sessions_continue(cluster: Cluster) -> None:

@@ -81,7 +81,7 @@ async def _read_body(request: Request, ctx: ServerContext) -> ResponsesRequest:
 async def _prompt_ids(ctx: ServerContext, body: ResponsesRequest, plan: ToolPlan | None) -> tuple[list[int], str | None]:
     """The prompt's exact token ids and the instructions the response reports."""
     if body.previous_response_id is None:  # (rendering and tokenizing run off the event loop)
-        return await ctx.off_loop(chat_prompt_ids, ctx, chat_messages(body), True, None, plan), body.instructions
+        return await ctx.off_loop(lambda: chat_prompt_ids(ctx, chat_messages(body), True, None, plan)), body.instructions
     prev_id = body.previous_response_id
     with store_errors():
         prev = await _store(ctx).get(prev_id) if is_valid_response_id(prev_id) else None

@@ -149,6 +149,21 @@ async def test_deep_schemas_on_the_messages_api_are_400_in_anthropics_shape(engi
     assert "deeper than" in err["message"] and engine.requests == []
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_grammar": ""}, "guided_grammar"),
+    ({"guided_choice": [""]}, "guided_choice"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
+])
+async def test_constraints_the_engine_refuses_are_400_naming_the_field(engine, extra, param) -> None:
+    async with app_client(engine) as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, **extra})
+    err = assert_error(resp, 400, param=param, contains="must")
+    assert err["message"].startswith(f"{param}: must"), err
+    assert engine.requests == []
+
+
 # ---- decoded arguments with a lone surrogate: the tokenizer's TypeError was a 500 -----------------------
 async def test_arguments_that_decode_to_a_lone_surrogate_are_400(engine) -> None:
     arguments = '{"city": "\\ud800"}'

@@ -60,7 +60,7 @@ def _params(field: str, **kind: Any) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kind)
     except ValueError as exc:
-        message = _ENGINE_PREFIX.sub("", str(exc))
+        message = re.sub(r"^structured_outputs(?:\.\w+)?:?\s*", "", str(exc))
         raise bad_request(f"{field}: {message}", param=field) from None
 
 

@@ -202,7 +202,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = get_context(request)
     body = await read_model(request, CountTokensRequest, ctx.settings)
     ctx.check_model(body.model)
-    rendered = render(body, ctx.engine.input_processor, ctx.chat_template, with_breakpoints=False)
+    rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template, with_breakpoints=False)
     return JSONResponse({"input_tokens": len(rendered.ids)})
 
 

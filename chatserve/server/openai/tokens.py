@@ -53,11 +53,11 @@ async def tokenize(request: Request) -> JSONResponse:
     if _has_messages(raw):
         body = parse_model(TokenizeChatRequest, raw)
         ctx.check_model(body.model)
-        ids, _ = chat_token_ids(ctx, body)
+        ids, _ = await ctx.off_loop(chat_token_ids, ctx, body)  # the template and tokenizer, off the event loop
     else:
         body = parse_model(TokenizePromptRequest, raw)
         ctx.check_model(body.model)
-        ids = list(ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        ids = list(await ctx.off_loop(ctx.engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens))
     strs = ctx.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs})
 
@@ -79,7 +79,7 @@ async def detokenize(request: Request) -> JSONResponse:
     for i, token in enumerate(body.tokens):
         if token >= vocab_size:
             raise bad_request(f"token id {token} is outside the vocabulary (size {vocab_size})", param=f"tokens[{i}]")
-    return JSONResponse({"prompt": ctx.engine.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await ctx.off_loop(ctx.engine.tokenizer.decode, body.tokens)})
 
 
 async def render_chat(request: Request) -> JSONResponse:
@@ -90,7 +90,7 @@ async def render_chat(request: Request) -> JSONResponse:
     body = await read_model(request, ChatCompletionRequest, ctx.settings)
     ctx.check_model(body.model)
     check_limits(ctx.settings, body)
-    prompt, _ = chat_prompt_and_plan(ctx, body)
+    prompt, _ = await ctx.off_loop(chat_prompt_and_plan, ctx, body)
     params = build_sampling_params(body, body.effective_max_tokens(), body.num_logprobs())
     return JSONResponse({
         "request_id": request_id_from(request, ctx.settings),

@@ -150,6 +150,9 @@ def test_every_kind_constrains_the_real_model(llm_default):
         (StructuredOutputsParams(json={"type": "objectx"}), "structured_outputs.json: invalid JSON schema"),
         (StructuredOutputsParams(regex="(abc"), "structured_outputs.regex: invalid regex"),
         (StructuredOutputsParams(grammar='root ::= "a" |'), "structured_outputs.grammar: invalid grammar"),
+        # compiles, but no token can start it: refused up front, not an error at the first token (a 500 before)
+        (StructuredOutputsParams(grammar="root ::= root"), "structured_outputs.grammar: invalid grammar: the grammar "
+                                                           "admits no output"),
         (StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}),
          "structured_outputs.structural_tag: invalid structural tag"),
     ],

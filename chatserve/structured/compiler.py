@@ -232,6 +232,21 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams,
         raise StructuredOutputError(kind, _clean(exc)) from exc
 
 
+def check_admits_output(compiled: xgr.CompiledGrammar, kind: str) -> None:
+    """A grammar that compiles but lets no token start it (`root ::= root`) would end the request
+    with an error at its first token: refuse it here, with the other compile errors (a 400)."""
+    import torch
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    if matcher.is_terminated():
+        return
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    if not bool(torch.any(bitmask != 0)):
+        raise StructuredOutputError(kind, "the grammar admits no output: no token can start it")
+
+
 class GrammarCompilerService:
     """Compiles specs for one engine's tokenizer, cached, on one worker thread.
 
@@ -395,7 +410,9 @@ class GrammarCompilerService:
 
     def _compile_uncached(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The one place xgrammar compiles (tests slow it down here to check nobody waits on it)."""
-        return compile_spec(self._xgr_compiler(), spec, self.config)
+        compiled = compile_spec(self._xgr_compiler(), spec, self.config)
+        check_admits_output(compiled, spec.kind)
+        return compiled
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:

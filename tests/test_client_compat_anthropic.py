@@ -12,7 +12,12 @@ fields as Anthropic counts them (`input_tokens` excludes cache reads), the shape
 framing. After each test the server is idle with every KV block free or cached (`assert_idle`).
 
 The server is the documented Claude Code set-up: the default model (trained context 8,192) stretched to
-32,768 tokens by a YaRN rope override, since Claude Code's first request is ~13,000 tokens.
+32,768 tokens by a YaRN rope override, since Claude Code's first request is ~13,000 tokens, and served under
+Claude Code's default model name too. The CLI's conversation and the replays share one cold prefill of
+Claude Code's prompt (`relocate` moves the captured paths to the CLI's HOME and working directory).
+
+Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -n 0 tests/test_client_compat_anthropic.py
+(the CLI comes from scripts/install_claude_code.sh; make setup-redis runs it).
 
 Versions are pinned in pyproject.toml's dev extras and scripts/install_claude_code.sh (the CLI, from npm, which
 `make setup-redis` runs); a missing CLI fails its tests with how to install it. Nothing here leaves 127.0.0.1.
@@ -38,9 +43,14 @@ MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "anthropic-compat-key"
 MAX_MODEL_LEN = 32768
 YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}}
+# The model Claude Code 2.1.328 asks for when nothing says otherwise: served as a second name, so the CLI runs
+# with no model variable at all and sends the system prompt the fixture holds (a model variable changes it),
+# which lets the fixture's replays and the CLI's turns share one cold prefill of the ~10k tokens before the
+# environment block.
+CLAUDE_CODE_MODEL = "claude-opus-5-5"
 SERVE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--hf-overrides", json.dumps(YARN), "--max-num-seqs", "8",
-              "--sse-keepalive-s", "0.05")
-MAX_TOKENS = 48
+              "--sse-keepalive-s", "0.05", "--served-model-name", MODEL, CLAUDE_CODE_MODEL)
+MAX_TOKENS = 24
 PROMPT = "Write two sentences about a lighthouse."
 CHAT = [{"role": "user", "content": PROMPT}]
 # A reply that goes on for a long time (for the stream left early): counting, with the count begun as a prefill.
@@ -53,6 +63,9 @@ WEATHER_TOOL = {
                      "required": ["city"]},
 }
 CACHED_AT_LEAST = 0.95
+# anthropic 2.10.0's create() and stream() no longer take sampling parameters (the API's newest models dropped
+# them); the server still reads them (temperature 0 to 1, top_p, top_k), so tests send them as extra body.
+GREEDY = {"extra_body": {"temperature": 0}}
 STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"}
 
 pytestmark = pytest.mark.timeout(900)
@@ -120,7 +133,7 @@ def prompt_tokens(usage: Any) -> int:
 # ---- the anthropic SDK -------------------------------------------------------------------------------------
 def test_anthropic_create_and_stream_helpers(server):
     client = sdk(server)
-    kwargs = dict(model=MODEL, max_tokens=MAX_TOKENS, messages=CHAT, temperature=0)
+    kwargs = dict(model=MODEL, max_tokens=MAX_TOKENS, messages=CHAT, **GREEDY)
     client.messages.create(**kwargs)  # puts the prompt in the prefix cache: the next ones take one numeric path
     msg = client.messages.create(**kwargs)
     assert_message(msg.model_dump(), MAX_TOKENS)
@@ -143,8 +156,9 @@ def test_anthropic_create_and_stream_helpers(server):
 
     # A system prompt as a string and as text blocks, and stop_sequences: accepted, the reply well formed.
     for system in ("You are terse.", [{"type": "text", "text": "You are terse."}]):
-        r = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, messages=CHAT, system=system, temperature=0,
-                                   top_p=0.9, top_k=40, stop_sequences=["\n\n"], metadata={"user_id": "u-1"})
+        r = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, messages=CHAT, system=system,
+                                   extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 40},
+                                   stop_sequences=["\n\n"], metadata={"user_id": "u-1"})
         assert_message(r.model_dump(), MAX_TOKENS)
         if r.stop_reason == "stop_sequence":
             assert r.stop_sequence == "\n\n"
@@ -169,7 +183,7 @@ def test_anthropic_count_tokens(server):
     system = "You are a helpful assistant."
     counted = client.messages.count_tokens(model=MODEL, messages=CHAT, system=system).input_tokens
     assert counted > 0
-    msg = client.messages.create(model=MODEL, max_tokens=4, messages=CHAT, system=system, temperature=0)
+    msg = client.messages.create(model=MODEL, max_tokens=4, messages=CHAT, system=system, **GREEDY)
     assert prompt_tokens(msg.usage) == counted
     with_tools = client.messages.count_tokens(model=MODEL, messages=CHAT, system=system, tools=[WEATHER_TOOL])
     assert with_tools.input_tokens > counted
@@ -182,9 +196,9 @@ def test_anthropic_count_tokens(server):
 def test_anthropic_tool_use_loop(server):
     client = sdk(server)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
-    forced = {"type": "tool", "name": "get_weather"}
+    forced = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
     msg = client.messages.create(model=MODEL, max_tokens=128, messages=messages, tools=[WEATHER_TOOL],
-                                 tool_choice=forced, temperature=0)
+                                 tool_choice=forced, **GREEDY)
     assert msg.stop_reason == "tool_use", msg
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert len(uses) == 1 and msg.content[-1].type == "tool_use", msg.content
@@ -197,36 +211,36 @@ def test_anthropic_tool_use_loop(server):
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                "content": [{"type": "text", "text": "Sunny, 21 C."}]}]}]
     answer = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, messages=messages, tools=[WEATHER_TOOL],
-                                    tool_choice={"type": "none"}, temperature=0)
+                                    tool_choice={"type": "none"}, **GREEDY)
     assert_message(answer.model_dump(), MAX_TOKENS)
     assert answer.stop_reason != "tool_use" and all(b.type == "text" for b in answer.content), answer.content
     # A tool_result as a plain string, and one marked as an error: accepted.
     messages[-1] = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                  "content": "no such city", "is_error": True}]}
     assert_message(client.messages.create(model=MODEL, max_tokens=8, messages=messages, tools=[WEATHER_TOOL],
-                                          temperature=0).model_dump(), 8)
+                                          **GREEDY).model_dump(), 8)
 
-    # Streamed, with `any`: the arguments arrive as input_json_delta events the helper assembles.
+    # Streamed, with `any`: the call's arguments arrive as input_json_delta events, which the helper assembles into
+    # its input. (One call: how many parallel calls a 135M model makes, and whether they fit, is its own business.)
     with client.messages.stream(model=MODEL, max_tokens=128, messages=messages[:1], tools=[WEATHER_TOOL],
-                                tool_choice={"type": "any"}, temperature=0) as stream:
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True}, **GREEDY) as stream:
         events = list(stream)
         final = stream.get_final_message()
-    deltas = [e for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
-    assert deltas, [e.type for e in events]
-    assert final.stop_reason == "tool_use"
-    streamed_use = [b for b in final.content if b.type == "tool_use"]
-    assert len(streamed_use) == 1 and streamed_use[0].name == "get_weather"
-    assert streamed_use[0].id.startswith("toolu_")
-    joined = "".join(d.delta.partial_json for d in deltas if d.index == final.content.index(streamed_use[0]))
-    assert json.loads(joined) == streamed_use[0].input
-    assert isinstance(streamed_use[0].input["city"], str)
+    assert final.stop_reason == "tool_use", final
+    streamed_uses = [(i, b) for i, b in enumerate(final.content) if b.type == "tool_use"]
+    assert len(streamed_uses) == 1 and final.content[-1].type == "tool_use", final.content
+    index, block = streamed_uses[0]
+    assert block.name == "get_weather" and block.id.startswith("toolu_")
+    joined = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta"
+                     and e.delta.type == "input_json_delta" and e.index == index)
+    assert joined and json.loads(joined) == block.input and isinstance(block.input["city"], str)
 
 
 def test_anthropic_stream_left_early_frees_its_blocks(server):
     client = sdk(server)
     before = aborts(server, "client_disconnect")
     got = 0
-    with client.messages.stream(model=MODEL, max_tokens=400, messages=COUNT, temperature=0) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=400, messages=COUNT, **GREEDY) as stream:
         message_id = None
         for event in stream:
             if event.type == "message_start":
@@ -291,7 +305,9 @@ def test_langchain_anthropic_invoke_stream_and_bind_tools(server):
         """Get the current weather in a city."""
         return "Sunny"
 
-    ai = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    tooled = llm.model_copy(update={"max_tokens": 128}).bind_tools([get_weather], tool_choice="get_weather",
+                                                                    parallel_tool_calls=False)
+    ai = tooled.invoke("What is the weather in Paris?")
     assert len(ai.tool_calls) == 1, ai
     call = ai.tool_calls[0]
     assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str) and call["id"].startswith("toolu_")
@@ -342,8 +358,8 @@ def test_litellm_anthropic_provider(server):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list at import
     import litellm
 
-    kwargs = dict(model=f"anthropic/{MODEL}", api_base=server.url, api_key=API_KEY, messages=CHAT, temperature=0,
-                  max_tokens=MAX_TOKENS)
+    common = dict(model=f"anthropic/{MODEL}", api_base=server.url, api_key=API_KEY, temperature=0)
+    kwargs = dict(**common, messages=CHAT, max_tokens=MAX_TOKENS)
     full = litellm.completion(**kwargs)
     assert full.choices[0].message.content and full.choices[0].finish_reason in ("stop", "length")
     assert full.usage.prompt_tokens > 0 and 0 < full.usage.completion_tokens <= MAX_TOKENS
@@ -354,7 +370,7 @@ def test_litellm_anthropic_provider(server):
 
     tools = [{"type": "function", "function": {"name": "get_weather", "description": WEATHER_TOOL["description"],
                                                "parameters": WEATHER_TOOL["input_schema"]}}]
-    called = litellm.completion(**{**kwargs, "max_tokens": 128}, tools=tools,
+    called = litellm.completion(**common, max_tokens=128, tools=tools, parallel_tool_calls=False,
                                 tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                 messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     calls = called.choices[0].message.tool_calls
@@ -365,13 +381,11 @@ def test_litellm_anthropic_provider(server):
 # ---- Claude Code ------------------------------------------------------------------------------------------
 CLAUDE_ENV = {
     "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64",
-    # The model chatserve serves, for every role Claude Code picks a model for (docs: Claude Code and Anthropic
-    # clients).
-    "ANTHROPIC_MODEL": MODEL,
-    "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
-    "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
-    "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
-    "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
+    # Claude Code sends no temperature (the API's default, 1.0). Sampled at 1.0 under Claude Code's 13k-token
+    # prompt, the 135M model runs past the 64-token cap every time; Claude Code then asks it to resume, three
+    # times, and exits 1 ("API Error: Claude's response exceeded the 64 output token maximum"). Greedy, it ends
+    # in ~17 tokens: Claude Code's own CLAUDE_CODE_EXTRA_BODY (JSON merged into each request body) sets that.
+    "CLAUDE_CODE_EXTRA_BODY": json.dumps({"temperature": 0}),
 }
 
 
@@ -392,14 +406,29 @@ def claude_turn(srv: ServerProcess, args: list[str], home: Path, work: Path) -> 
     assert isinstance(result["result"], str)
     usage = result["usage"]
     assert usage["output_tokens"] > 0 and prompt_tokens(usage) > 10_000, usage  # Claude Code's ~13k-token prompt
-    assert MODEL in result["modelUsage"], result["modelUsage"]
+    assert result["modelUsage"], result
     assert prompt_metrics(srv)[0] - queries >= prompt_tokens(usage) * 0.9  # it went through this server
     return result
 
 
-def test_claude_code_two_turns_reuse_the_cache(server, tmp_path):
+@pytest.fixture(scope="module")
+def claude_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """The HOME and working directory of the CLI's conversation, which the fixture's replays are moved to."""
+    base = tmp_path_factory.mktemp("claude-code")
+    return base / "home", base / "work"
+
+
+@pytest.fixture(scope="module")
+def captured(claude_dirs) -> dict[str, Any]:
+    """The captured requests as the CLI sends them from `claude_dirs`: Claude Code writes its HOME and working
+    directory into the system prompt, so moved there they share the CLI's ~10k tokens before the environment
+    block, and the suite pays for one cold prefill of Claude Code's prompt, not two."""
+    return cc.relocate(cc.load_fixture(), *claude_dirs)
+
+
+def test_claude_code_two_turns_reuse_the_cache(server, claude_dirs):
     cc.claude_binary()  # fails with how to install it, if set-up could not
-    home, work = tmp_path / "home", tmp_path / "work"
+    home, work = claude_dirs
     first = claude_turn(server, ["-p", "hello"], home, work)
     second = claude_turn(server, ["-p", "--continue", "Say that again."], home, work)
     assert second["session_id"] == first["session_id"]  # the same conversation, continued
@@ -415,6 +444,7 @@ def test_claude_code_fixture_is_the_captured_shape():
     t1, t2 = fx["turn1"], fx["turn2"]
     assert t1["path"] == "/v1/messages?beta=true" and t1["headers"]["anthropic-version"]
     body = t1["body"]
+    assert body["model"] == CLAUDE_CODE_MODEL  # the second name the server is started with
     assert body["stream"] is True and body["max_tokens"] > MAX_MODEL_LEN
     assert body["system"][0]["text"].startswith(cc.BILLING_PREFIX) and "cch=" not in body["system"][0]["text"]
     assert [m["role"] for m in body["messages"]] == ["user", "system"]  # the environment, inline
@@ -424,14 +454,19 @@ def test_claude_code_fixture_is_the_captured_shape():
     a, b = cc.with_cch(body), cc.with_cch(body)
     assert a["system"][0]["text"] != b["system"][0]["text"] and "cch=" in a["system"][0]["text"]
     assert a["system"][1:] == body["system"][1:]
+    # Claude Code's paths are in its prompt, and relocate moves every one of them.
+    assert fx["capture_cwd"] in json.dumps(body) and fx["capture_home"] in json.dumps(body["system"])
+    moved = json.dumps(cc.relocate(fx, Path("/elsewhere/h"), Path("/elsewhere/w"))["turn1"])
+    assert fx["capture_cwd"] not in moved and fx["capture_home"] not in moved
+    assert cc.project_slug(fx["capture_cwd"]) not in moved and cc.project_slug("/elsewhere/w") in moved
 
 
 @pytest.mark.parametrize("variant", ["plain", "cch"])
-def test_claude_code_request_replayed_next_turn_cached(server, variant):
-    fx = cc.load_fixture()
+def test_claude_code_request_replayed_next_turn_cached(server, variant, captured):
+    fx = captured
     headers = {**fx["turn1"]["headers"], "x-api-key": API_KEY}
     path = fx["turn1"]["path"]
-    turn1 = {**fx["turn1"]["body"], "model": MODEL}
+    turn1 = dict(fx["turn1"]["body"])  # as captured, model name included (served as a second name)
     if variant == "cch":
         turn1 = cc.with_cch(turn1)
     if variant == "plain":
@@ -443,8 +478,8 @@ def test_claude_code_request_replayed_next_turn_cached(server, variant):
             for event, _ in cc.messages_sse(_until_first_delta(r.iter_lines())):
                 assert event != "error"
         assert_idle(server)
-    # As Claude Code sends it with CLAUDE_CODE_MAX_OUTPUT_TOKENS=64.
-    turn1 = {**turn1, "max_tokens": 64}
+    # As the CLI test's Claude Code sends it: CLAUDE_CODE_MAX_OUTPUT_TOKENS=64, temperature 0 (CLAUDE_CODE_EXTRA_BODY).
+    turn1 = {**turn1, "max_tokens": 64, "temperature": 0}
     first = post_messages(server, turn1, path, headers)
     assert_message(first, 64)
     assert prompt_tokens(first["usage"]) > 10_000, first["usage"]
@@ -473,12 +508,11 @@ def _until_first_delta(lines: Any) -> Any:
             return
 
 
-def test_count_tokens_of_the_captured_request(server):
+def test_count_tokens_of_the_captured_request(server, captured):
     """count_tokens takes the whole captured request (tools, inline system turn) and drops the billing header."""
-    fx = cc.load_fixture()
+    fx = captured
     body = {k: v for k, v in fx["turn1"]["body"].items()
-            if k in ("messages", "system", "tools", "thinking", "tool_choice", "output_config")}
-    body["model"] = MODEL
+            if k in ("model", "messages", "system", "tools", "thinking", "tool_choice", "output_config")}
     headers = {**fx["turn1"]["headers"], "x-api-key": API_KEY}
     r = HTTP.post(f"{server.url}/v1/messages/count_tokens?beta=true", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text[:2000]

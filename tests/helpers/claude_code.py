@@ -229,6 +229,10 @@ def capture(out: Path = FIXTURE, reply: str = "Hello! How can I help you today?"
                   "session ids and the kernel version scrubbed; written by `python -m tests.helpers.claude_code "
                   "capture`."),
         "claude_code_version": CLAUDE_CODE_VERSION,
+        # Claude Code writes its HOME and working directory into the prompt (its memory folder in the system
+        # prompt, the working directory in the environment block): `relocate` moves them.
+        "capture_home": str(home),
+        "capture_cwd": str(work),
         "assistant_reply": reply,
         "turn1": scrub(reqs[0]),
         "turn2": scrub(reqs[n_first]),
@@ -242,6 +246,22 @@ def capture(out: Path = FIXTURE, reply: str = "Hello! How can I help you today?"
 
 def load_fixture() -> dict[str, Any]:
     return json.loads(FIXTURE.read_text())
+
+
+def project_slug(cwd: Path | str) -> str:
+    """The folder name Claude Code keeps a working directory's sessions and memory under (~/.claude/projects/)."""
+    return re.sub(r"[^A-Za-z0-9]", "-", str(cwd))
+
+
+def relocate(fixture: dict[str, Any], home: Path, cwd: Path) -> dict[str, Any]:
+    """The captured requests as Claude Code would send them with HOME `home`, run in `cwd`: the paths it writes into
+    its prompt (the memory folder in the system prompt, the working directory in the environment block) moved, so
+    that a replay and a live CLI run in that directory share their prompt up to the environment block."""
+    text = json.dumps(fixture)
+    for old, new in ((fixture["capture_home"], str(home)), (project_slug(fixture["capture_cwd"]), project_slug(cwd)),
+                     (fixture["capture_cwd"], str(cwd))):
+        text = text.replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1])
+    return json.loads(text)
 
 
 _cch_counter = itertools.count()

@@ -382,9 +382,10 @@ def test_litellm_anthropic_provider(server):
 CLAUDE_ENV = {
     "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64",
     # Claude Code sends no temperature (the API's default, 1.0). Sampled at 1.0 under Claude Code's 13k-token
-    # prompt, the 135M model runs past the 64-token cap every time; Claude Code then asks it to resume, three
-    # times, and exits 1 ("API Error: Claude's response exceeded the 64 output token maximum"). Greedy, it ends
-    # in ~17 tokens: Claude Code's own CLAUDE_CODE_EXTRA_BODY (JSON merged into each request body) sets that.
+    # prompt, the 135M model ran past the 64-token cap on every first reply tried; Claude Code then asks it to
+    # resume, up to three times, and exits 1 ("API Error: Claude's response exceeded the 64 output token
+    # maximum") when the last is cut too: a pass or a failure by chance. Greedy, it ends in ~17 tokens: Claude
+    # Code's own CLAUDE_CODE_EXTRA_BODY (JSON merged into each request body) sets that.
     "CLAUDE_CODE_EXTRA_BODY": json.dumps({"temperature": 0}),
 }
 

@@ -159,9 +159,9 @@ class KVFingerprint:
         """This fingerprint with the rope fields of a model's ``rope_identity()``: per table, its
         ``parameters``, ``max_positions`` (None where the table does not depend on the context length)
         and ``inv_freq_sha256``."""
-        lengths = {t.get("max_positions") for t in tables.values()} - {None}
+        lengths = [int(n) for t in tables.values() if isinstance(n := t.get("max_positions"), int)]
         return replace(self, rope=json.dumps(tables, sort_keys=True, separators=(",", ":"), default=str),
-                       rope_max_positions=max(lengths, default=0))  # type: ignore[type-var]
+                       rope_max_positions=max(lengths, default=0))
 
     @property
     def digest(self) -> bytes:

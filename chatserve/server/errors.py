@@ -81,6 +81,25 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
 
 
+# Anthropic's `error.type` for each status (its Messages API and the clients built on it read these).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    409: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+    500: "api_error", 503: "api_error", 529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error_body(status: int, message: str, request_id: str | None) -> dict[str, Any]:
+    """Anthropic's shape, `{"type": "error", "error": {"type", "message"}, "request_id"}`: the Messages routes'
+    (server/anthropic/errors.py) and the middleware's refusals of them, beside OpenAI's above."""
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message},
+            "request_id": request_id}
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -105,8 +124,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     message = {404: f"no route for {request.method} {request.url.path}", 405: f"method {request.method} is not allowed on "
                f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
     if request.url.path.startswith("/v1/messages"):  # the router's 404/405 on the Messages API: Anthropic's shape
-        from chatserve.server.anthropic.errors import error_body as anthropic_error_body
-
         return JSONResponse(anthropic_error_body(exc.status_code, message, None), status_code=exc.status_code,
                             headers=exc.headers)
     return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)

@@ -40,8 +40,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 
-from chatserve.server.anthropic.errors import error_body as anthropic_error_body
-from chatserve.server.errors import error_body
+from chatserve.server.errors import anthropic_error_body, error_body
 from chatserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

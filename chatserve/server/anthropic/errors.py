@@ -19,29 +19,15 @@ from starlette.responses import JSONResponse, Response
 
 from chatserve.engine.input_processor import PromptError
 from chatserve.server.errors import APIError
+from chatserve.server.errors import anthropic_error_body as error_body
 
 logger = logging.getLogger(__name__)
-
-_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    409: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-    500: "api_error", 503: "api_error", 529: "overloaded_error",
-}
-
-
-def error_type(status: int) -> str:
-    return _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-
 
 def anthropic_status(exc: APIError) -> int:
     """Anthropic's status for one of ours: a full queue or a draining server is 529 (overloaded)."""
     if exc.status == 503 and (exc.code == "queue_full" or "Retry-After" in exc.headers):
         return 529
     return exc.status
-
-
-def error_body(status: int, message: str, request_id: str | None) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(status), "message": message}, "request_id": request_id}
 
 
 def error_event(status: int, message: str, request_id: str | None) -> dict[str, Any]:

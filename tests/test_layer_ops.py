@@ -97,3 +97,14 @@ def test_engine_logs_its_fallbacks_and_speculation_is_not_called_exact(dtype, ti
     warning = [r for r in caplog.records if "speculative decoding on" in r.getMessage()]
     assert warning and warning[0].levelno == logging.WARNING and reason in warning[0].getMessage()
     assert "forward pass NOT batch-invariant" in text
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_metrics_report_the_one_flag(invariant):
+    """/metrics says whether the path is batch-invariant from the engine's one flag (stats()["batch_invariant"])."""
+    from prometheus_client import generate_latest
+
+    from chatserve.server.metrics import ServerMetrics
+
+    text = generate_latest(ServerMetrics(lambda: {"batch_invariant": invariant}, "m").registry).decode()
+    assert f'chatserve:batch_invariant{{model_name="m"}} {1.0 if invariant else 0.0}' in text

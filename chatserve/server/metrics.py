@@ -77,6 +77,10 @@ class _EngineCollector(Collector):
         for reason, count in sorted((s.get("prefix_cache_miss_reasons") or {}).items()):
             misses.add_metric(values + [reason], count)
         yield misses
+        yield gauge("batch_invariant",
+                    "1 when every op of the forward pass is batch- and thread-invariant (greedy output the same alone, "
+                    "batched, cached and with speculative drafts); 0 when a fallback breaks it (each logged at start).",
+                    1.0 if s.get("batch_invariant") else 0.0)
         yield gauge("kv_cache_leased_blocks",
                     "Cached KV blocks on a branch a live lease protects (a session's or a prompt prefix's).",
                     s.get("num_leased_blocks", 0))

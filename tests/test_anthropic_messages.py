@@ -161,6 +161,15 @@ async def test_deferred_tools_render_only_where_a_tool_reference_loads_them(engi
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+async def test_tool_choice_none_keeps_the_tools_in_the_prompt(engine) -> None:
+    """As Anthropic keeps them: an agent that sends tool_choice none on one turn keeps its cached prefix."""
+    for choice in ({"type": "auto"}, {"type": "none"}):
+        r = await post(engine, body(tools=[WEATHER], tool_choice=choice))
+        assert r.status_code == 200, r.text
+    auto, none = prompt_ids(engine, 0), prompt_ids(engine, 1)
+    assert auto == none and "get_weather" in engine.tokenizer.decode(none)
+
+
 async def test_non_text_tool_results_render_as_a_placeholder(engine) -> None:
     messages = [{"role": "user", "content": "read the png"},
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_9", "name": "Read", "input": {"p": "a.png"}}]},

@@ -385,8 +385,16 @@ CLAUDE_ENV = {
     # prompt, the 135M model ran past the 64-token cap on every first reply tried; Claude Code then asks it to
     # resume, up to three times, and exits 1 ("API Error: Claude's response exceeded the 64 output token
     # maximum") when the last is cut too: a pass or a failure by chance. Greedy, it ends in ~17 tokens: Claude
-    # Code's own CLAUDE_CODE_EXTRA_BODY (JSON merged into each request body) sets that.
-    "CLAUDE_CODE_EXTRA_BODY": json.dumps({"temperature": 0}),
+    # Code's own CLAUDE_CODE_EXTRA_BODY (JSON merged into each request body) sets that. Greedy alone was not
+    # enough: the prompt holds the test's own paths and the date, so the reply differs between runs, and a
+    # clean clone's run went past the cap four times (exit 1). So the reply's length is the grammar's, not the
+    # model's: a JSON string of at most 8 characters (output_config.format, a few tokens whatever the model
+    # says), and tool_choice none (the tools stay in the prompt, as Anthropic keeps them; no call is parsed).
+    # What is tested is the mechanism: both turns answer through chatserve and the second reads its prompt
+    # from the cache.
+    "CLAUDE_CODE_EXTRA_BODY": json.dumps({
+        "temperature": 0, "tool_choice": {"type": "none"},
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "string", "maxLength": 8}}}}),
 }
 
 

@@ -26,8 +26,10 @@ class ToolPlan:
     parallel: bool
     rendering: ToolRendering
     rendered: list[FunctionTool] | None = None
-    """The tools the prompt lists, when not all of `tools` (Anthropic's deferred tools are callable once a
-    `tool_reference` loads them, where the reference stands, never in the list: that would move the prefix)."""
+    """The tools the prompt lists, set by the Messages API: its deferred tools are callable once a
+    `tool_reference` loads them, where the reference stands, never in the list (that would move the prefix),
+    and its listed tools stay in the prompt under tool_choice "none" too, as Anthropic keeps them (an agent
+    that sends "none" on one turn keeps its cached prefix). None: OpenAI's rule, `tools` unless "none"."""
 
     @property
     def format(self) -> ToolFormat:
@@ -39,9 +41,10 @@ class ToolPlan:
         return bool(self.choice.allowed(self.tools))
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The `tools=` of the chat template: none with tool_choice "none" (the model is not offered them)."""
-        listed = self.tools if self.rendered is None else self.rendered
-        return [t.to_template() for t in listed] if self.parses_calls and listed else None
+        """The `tools=` of the chat template: OpenAI's requests offer none with tool_choice "none"; see `rendered`."""
+        if self.rendered is not None:
+            return [t.to_template() for t in self.rendered] or None
+        return [t.to_template() for t in self.tools] if self.parses_calls and self.tools else None
 
     def parser(self) -> ToolCallStreamParser:
         return ToolCallStreamParser(self.format, [t.name for t in self.choice.allowed(self.tools)])

@@ -70,6 +70,23 @@ def apply_chat_template(
 
     A free function because it needs only a tokenizer (tests and scripts render without an
     engine); `InputProcessor.render_chat` is the engine's door to it.
+    """
+    text = render_chat_template(tokenizer, conversation, add_generation_prompt, chat_template, param=param,
+                                continue_final_message=continue_final_message, **template_kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat_template(
+    tokenizer: Any,
+    conversation: Sequence[Message],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    *,
+    param: str = "messages",
+    continue_final_message: bool = False,
+    **template_kwargs: Any,
+) -> str:
+    """The conversation's text through the template (what `apply_chat_template` tokenizes).
 
     `continue_final_message`: the last message is an assistant reply to go on with (Anthropic's
     prefill, vLLM's `continue_final_message`): the conversation is rendered whole and cut right
@@ -91,7 +108,7 @@ def apply_chat_template(
         raise PromptError(f"the chat template could not render these messages: {exc}", param=param) from exc
     if continue_final_message:
         text = _cut_after_final_message(text, conversation, param)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text
 
 
 def _cut_after_final_message(text: str, conversation: Sequence[Message], param: str) -> str:
@@ -142,12 +159,29 @@ class InputProcessor:
 
         With `tools`, or tool calls / tool results in the conversation, the template is the one
         `tool_rendering` picks (the model's own if it renders tools, else the shipped one)."""
+        text = self.render_chat_text(messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                                     tools=tools, param=param, continue_final_message=continue_final_message,
+                                     **template_kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_chat_text(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        param: str = "messages",
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        """What `render_chat` tokenizes: the conversation's text through the template it picks."""
         if tools or _has_tool_messages(messages):
             rendering = self.tool_rendering(chat_template)
             chat_template = rendering.chat_template
             if tools:
                 template_kwargs["tools"] = [dict(t) for t in tools]
-        return apply_chat_template(
+        return render_chat_template(
             self.tokenizer, messages, add_generation_prompt, chat_template, param=param,
             continue_final_message=continue_final_message, **template_kwargs
         )

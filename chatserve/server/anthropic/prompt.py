@@ -19,7 +19,9 @@ names them, then rendered where the reference stands (callable from then on).
 
 from __future__ import annotations
 
+import bisect
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,25 +216,43 @@ def render(body: MessagesBase, processor: InputProcessor, chat_template: str | N
     continuing = _final_prefill(body)
     fold = False
 
-    def ids_of(conv: list[dict[str, Any]], final: bool) -> list[int]:
-        return processor.render_chat(fold_inline_system(conv) if fold else conv, add_generation_prompt=final and not continuing,
-                                     chat_template=chat_template, tools=tools, param="messages",
-                                     continue_final_message=final and continuing)
+    def text_of(conv: list[dict[str, Any]], final: bool) -> str:
+        return processor.render_chat_text(fold_inline_system(conv) if fold else conv,
+                                          add_generation_prompt=final and not continuing, chat_template=chat_template,
+                                          tools=tools, param="messages", continue_final_message=final and continuing)
 
     try:
-        ids = ids_of(turns, True)
+        text = text_of(turns, True)
     except PromptError:
         if not any(t["role"] == "system" for t in turns[1:]):
             raise
         fold = True  # this template refuses system turns past the first: fold them in place
-        ids = ids_of(turns, True)
-    breakpoints = _breakpoints(body, ids, ids_of) if with_breakpoints else []
+        text = text_of(turns, True)
+    if not with_breakpoints:
+        return RenderedMessages(list(processor.tokenizer.encode(text, add_special_tokens=False)), plan, [])
+    ids, token_ends = _tokens_and_ends(processor.tokenizer, text)
+    breakpoints = []
+    for upto, ttl in _marks(body):
+        conv = ([{"role": "system", "content": system_text(body.system)}] if system_text(body.system) else []) \
+            if upto is None else conversation(body, upto)[0]
+        if not conv:
+            continue
+        try:
+            prefix = text_of(conv, False)
+        except PromptError:
+            continue  # a partial conversation this template cannot render: no lease, never an error
+        # NOTE: the whole prompt is tokenized once: a breakpoint is the tokens that end within the text the
+        # prompt shares with the rendering up to the marked block (the template decides where that ends)
+        if token_ends is not None:
+            position = bisect.bisect_right(token_ends, _common_prefix(prefix, text))
+        else:  # a tokenizer without offsets: the prefix tokenized on its own
+            position = _common_prefix(processor.tokenizer.encode(prefix, add_special_tokens=False), ids)
+        breakpoints.append(Breakpoint(position, ttl))
     return RenderedMessages(ids, plan, breakpoints)
 
 
-def _breakpoints(body: MessagesBase, ids: list[int], ids_of: Any) -> list[Breakpoint]:
-    """Each cache_control mark as a token position: the prompt rendered up to the marked block, and
-    the length it shares with the whole prompt (the template decides where a block's tokens end)."""
+def _marks(body: MessagesBase) -> list[tuple[tuple[int, int] | None, float]]:
+    """Each cache_control mark: (message, block) or None for the tools-and-system head, and its TTL."""
     marks: list[tuple[tuple[int, int] | None, float]] = []
     head = [t.cache_control for t in body.tools or [] if t.cache_control is not None]
     if isinstance(body.system, list):
@@ -245,25 +265,28 @@ def _breakpoints(body: MessagesBase, ids: list[int], ids_of: Any) -> list[Breakp
                 control = getattr(b, "cache_control", None)
                 if control is not None:
                     marks.append(((i, j), control.seconds))
-    out = []
-    for upto, ttl in marks:
-        if upto is None:
-            conv = [{"role": "system", "content": system_text(body.system)}] if system_text(body.system) else []
-            if not conv:
-                continue
-        else:
-            conv, _ = conversation(body, upto)
-        try:
-            prefix = ids_of(conv, False)
-        except PromptError:
-            continue  # a partial conversation this template cannot render: no lease, never an error
-        out.append(Breakpoint(_common_prefix(prefix, ids), ttl))
-    return out
+    return marks
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _tokens_and_ends(tokenizer: Any, text: str) -> tuple[list[int], list[int] | None]:
+    """The text's token ids (as `encode` gives them) and where in the text each token ends (None: a
+    slow tokenizer, which has no offsets)."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [end for _, end in enc["offset_mapping"]]
+    return list(tokenizer.encode(text, add_special_tokens=False)), None
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How long a prefix two texts (or id lists) share."""
     n = min(len(a), len(b))
-    for k in range(n):
-        if a[k] != b[k]:
-            return k
-    return n
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # the first difference, by halving (texts of tens of KB)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if a[lo:mid + 1] == b[lo:mid + 1]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

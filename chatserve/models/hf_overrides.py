@@ -19,6 +19,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from chatserve.json_options import read_json_object
+
 # Keys whose value fixes a weight's shape or which weights exist; their usual spellings in other configs too.
 SHAPE_KEYS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -41,17 +43,9 @@ def parse_hf_overrides(value: str | Mapping[str, Any] | None) -> dict[str, Any] 
 
     Raises ValueError for anything but a JSON object, and for a key that changes a tensor shape
     (at any depth: `text_config.hidden_size` too), naming it."""
+    value = read_json_object("hf_overrides", value) if value is not None else None
     if value is None:
         return None
-    if isinstance(value, str):
-        if not value.strip():
-            return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"hf_overrides must be a JSON object: {exc}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"hf_overrides must be a JSON object; got {type(value).__name__}")
     _refuse_shape_keys(value, "hf_overrides")
     for key in ROPE_KEYS:
         if value.get(key) is not None and not isinstance(value[key], Mapping):

@@ -125,3 +125,15 @@ def request_id_from(request: Request, settings: ServerSettings) -> str:
     if not all(33 <= ord(c) < 127 for c in rid):
         raise bad_request("X-Request-Id must be printable ASCII without spaces", param="X-Request-Id")
     return rid
+
+
+def query_limit(request: Request, *, default: int = 20, most: int = 100) -> int:
+    """A list route's `limit` query parameter: an integer in [1, most] (a 400 naming `limit` otherwise)."""
+    raw = request.query_params.get("limit", str(default))
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise bad_request(f"limit must be an integer, got {raw[:40]!r}", param="limit") from None
+    if not 1 <= limit <= most:
+        raise bad_request(f"limit must be in [1, {most}], got {limit}", param="limit")
+    return limit

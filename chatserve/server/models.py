@@ -19,6 +19,7 @@ from starlette.routing import Route
 from chatserve.server.anthropic.errors import anthropic_errors
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, bad_request
+from chatserve.server.http_input import query_limit
 
 
 def _anthropic(request: Request) -> bool:
@@ -38,17 +39,6 @@ def anthropic_model(ctx: ServerContext, name: str) -> dict[str, Any]:
             "max_tokens": room}
 
 
-def _limit(request: Request) -> int:
-    raw = request.query_params.get("limit", "20")
-    try:
-        limit = int(raw)
-    except ValueError:
-        raise bad_request(f"limit must be an integer, got {raw[:40]!r}", param="limit") from None
-    if not 1 <= limit <= 1000:
-        raise bad_request(f"limit must be in [1, 1000], got {limit}", param="limit")
-    return limit
-
-
 @anthropic_errors
 async def _anthropic_list(request: Request) -> Response:
     ctx = get_context(request)
@@ -60,7 +50,7 @@ async def _anthropic_list(request: Request) -> Response:
     start = names.index(after) + 1 if after is not None else 0
     end = names.index(before) if before is not None else len(names)
     window = names[start:end]
-    page = window[:_limit(request)]
+    page = window[:query_limit(request, most=1000)]
     return JSONResponse({"data": [anthropic_model(ctx, n) for n in page], "has_more": len(window) > len(page),
                          "first_id": page[0] if page else None, "last_id": page[-1] if page else None})
 

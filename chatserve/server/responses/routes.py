@@ -29,7 +29,7 @@ from chatserve.server.chat.prompts import chat_prompt_ids, continue_history, nex
 from chatserve.server.chat.tool_request import ToolPlan, conversation, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, JSONResponse, bad_request
-from chatserve.server.http_input import parse_model_off_loop, read_body
+from chatserve.server.http_input import parse_model_off_loop, query_limit, read_body
 from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.responses.input import chat_messages, clean_param, input_items
 from chatserve.server.responses.protocol import ResponsesRequest
@@ -332,13 +332,7 @@ async def list_input_items(request: Request) -> Response:
     ctx = get_context(request)
     rid = request.path_params["response_id"]
     q = request.query_params
-    raw_limit = q.get("limit", "20")
-    try:
-        limit = int(raw_limit)
-    except ValueError:
-        raise bad_request(f"limit must be an integer, got {raw_limit[:40]!r}", param="limit") from None
-    if not 1 <= limit <= 100:
-        raise bad_request(f"limit must be in [1, 100], got {limit}", param="limit")
+    limit = query_limit(request)
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request(f'order must be "asc" or "desc", got {order[:40]!r}', param="order")

@@ -30,7 +30,7 @@ from chatserve.server.chat.tool_replies import ToolChatFormat
 from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, JSONResponse, bad_request
-from chatserve.server.http_input import read_model, request_id_from
+from chatserve.server.http_input import query_limit, read_model, request_id_from
 from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
 from chatserve.server.sessions.cache import report_for_api, turn_kv
 from chatserve.server.sessions.prompts import first_tool_turn_ids, first_turn_ids, new_messages, next_turn_ids, stored_user_text
@@ -72,13 +72,7 @@ async def create_session(request: Request) -> JSONResponse:
 async def list_sessions(request: Request) -> JSONResponse:
     ctx = get_context(request)
     store = _store(ctx)
-    raw_limit = request.query_params.get("limit", "20")
-    try:
-        limit = int(raw_limit)
-    except ValueError:
-        raise bad_request(f"limit must be an integer, got {raw_limit!r}", param="limit") from None
-    if not 1 <= limit <= 100:
-        raise bad_request(f"limit must be in [1, 100], got {limit}", param="limit")
+    limit = query_limit(request)
     after = request.query_params.get("after") or None
     with store_errors():
         page = await store.list(limit=limit, after=after)

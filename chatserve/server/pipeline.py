@@ -93,8 +93,6 @@ class ServeSpec:
     """An explicit `max_tokens` that does not fit beside the prompt is a 400 (OpenAI's rule); False
     clamps it to the room left instead (Anthropic's clients ask for far more than any window)."""
     session: SessionKV | None = None
-    cache_salt: str | None = None
-    """Share cached KV only with requests of the same salt (vLLM's `cache_salt`), on every tier."""
     cache_leases: list[CacheLease] = field(default_factory=list)
     """Prefixes of the prompt to keep cached after the request (`cache_control`, `prompt_cache_key`)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -134,15 +132,14 @@ RETENTION_S = {"in_memory": 300.0, "24h": 86400.0}
 
 
 def _cache_options(spec: ServeSpec) -> tuple[str | None, list[CacheLease]]:
-    """The request's salt and leases: the adapter's, else the shared fields' (`cache_salt`, and
-    `prompt_cache_key`, which leases the whole prompt as one breakpoint at its end would)."""
+    """The request's salt (`cache_salt`: share cached KV only with the same salt, on every tier) and its
+    leases: the adapter's (Anthropic's breakpoints), else `prompt_cache_key`'s, the whole prompt as one
+    breakpoint at its end would lease it."""
     fields = spec.fields
-    salt = spec.cache_salt if spec.cache_salt is not None else getattr(fields, "cache_salt", None)
     leases = list(spec.cache_leases)
-    if not leases and getattr(fields, "prompt_cache_key", None):
-        retention = getattr(fields, "prompt_cache_retention", None) or "in_memory"
-        leases = [CacheLease(MAX_LEASE_POSITION, RETENTION_S[retention])]
-    return salt, leases
+    if not leases and fields.prompt_cache_key:
+        leases = [CacheLease(MAX_LEASE_POSITION, RETENTION_S[fields.prompt_cache_retention or "in_memory"])]
+    return fields.cache_salt, leases
 
 
 MAX_LEASE_POSITION = 2**31 - 1

@@ -78,7 +78,7 @@ class MessagesAdapter(ServingAdapter):
             raise _too_long(len(rendered.ids), ctx.max_model_len)
         leases = [CacheLease(bp.position, bp.ttl_s) for bp in rendered.breakpoints]
         return ServeSpec([rendered.ids], _sampling_fields(body), body.max_tokens, None, tools=rendered.plan,
-                         refuse_overflow=False, cache_salt=body.cache_salt, cache_leases=leases,
+                         refuse_overflow=False, cache_leases=leases,
                          extra={"breakpoints": rendered.breakpoints})
 
     async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
@@ -104,6 +104,8 @@ def _sampling_fields(body: MessagesRequest) -> SamplingFields:
         raw["top_k"] = body.top_k
     if body.stop_sequences:
         raw["stop"] = body.stop_sequences
+    if body.cache_salt is not None:
+        raw["cache_salt"] = body.cache_salt
     schema = body.json_schema()
     if schema is not None:
         raw["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema[0]}}

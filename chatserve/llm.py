@@ -9,7 +9,7 @@ from typing import Any
 from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.engine.input_processor import apply_chat_template as apply_chat_template  # tests and scripts import it here
 from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
-from chatserve.outputs import RequestOutput
+from chatserve.outputs import EngineInfo, RequestOutput
 from chatserve.sampling_params import SamplingParams, StructuredOutputsParams
 from chatserve.tools import FunctionTool, ToolChoice, parse_tool_calls, tool_grammar
 
@@ -35,6 +35,10 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def engine_info(self) -> EngineInfo:
+        """What the engine was built with: kernels, KV pool, load times (outputs.EngineInfo)."""
+        return self.engine.info()
 
     def close(self) -> None:
         """Stop the engine's background threads; with the KV tiers on (``kv_offload_dir`` /

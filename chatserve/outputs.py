@@ -116,3 +116,30 @@ class RequestOutput:
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache (vLLM's name), read from `stats`."""
         return self.stats.num_cached_tokens
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine was built with and how long it took: the one public answer benchmarks and
+    diagnostics read (``LLM.engine_info()``), so that none walks into the engine's runner or block
+    manager. Plain values only: it is printed, compared and written to JSON."""
+
+    model: str
+    architecture: str
+    num_layers: int
+    device: str  # "cpu", "cuda"
+    dtype: str  # "bfloat16", "float32", ...
+    attention_backend: str  # "torch", "cpu" or "triton"
+    kernels: str  # LayerOps.describe(): which kernel does each op
+    kernel_tier: str | None  # the CPU kernel tier ("avx2", "avx512_bf16", ...); None without the C++ kernels
+    linear_impl: str  # how the matmuls run
+    batch_invariant: bool  # every op of the forward pass batch- and thread-invariant
+    block_size: int
+    num_kv_blocks: int
+    kv_pool_tokens: int  # num_kv_blocks * block_size
+    kv_bytes_per_block: int
+    max_model_len: int
+    load_seconds: float  # the whole engine construction
+    weights_load_seconds: float  # the weights alone (read, or mapped from the weight cache)
+    weight_cache_status: str  # "hit", "miss", "off", ...
+    plain_parameters: int  # parameters held as torch tensors (packed quantized matmuls not included)

@@ -531,3 +531,30 @@ def test_bf16_chunked_prefill_steps_without_sampling(tmp_path):
     chunked = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
     assert len(chunked.outputs[0].token_ids) == 4
     assert len(chunked.prompt_token_ids) > 48  # several chunk-only steps before the first sample
+
+
+def test_engine_info_and_step_layout_counters_are_public(tiny_llm):
+    """Benchmarks read what an engine was built with (LLM.engine_info) and how steps were mixed
+    (stats) instead of walking into the runner; both must describe the engine that actually ran."""
+    info = tiny_llm.engine_info()
+    assert info.kv_pool_tokens == info.num_kv_blocks * info.block_size > 0
+    assert info.num_layers > 0 and info.max_model_len > 0 and info.plain_parameters > 0
+    assert info.attention_backend in ("torch", "cpu", "triton") and info.kernels
+    assert 0 < info.weights_load_seconds <= info.load_seconds
+    before = tiny_llm.engine.stats()
+    block = info.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    shared = list(range(10, 10 + 3 * block))
+    tiny_llm.generate([{"prompt_token_ids": shared + [5, 6]}], params)
+    # the second prompt starts past a cached prefix: its first prefill chunk continues a prompt
+    tiny_llm.generate([{"prompt_token_ids": shared + [7, 8]}], params)
+    after = tiny_llm.engine.stats()
+    assert after["num_prefill_chunks_continued"] >= before["num_prefill_chunks_continued"] + 1
+    # a prompt admitted while another decodes runs its prefill beside that decode
+    engine = tiny_llm.engine
+    engine.add_request("decoding", {"prompt_token_ids": list(range(300, 340))}, params)
+    engine.step()  # its prefill
+    engine.add_request("arriving", {"prompt_token_ids": list(range(400, 440))}, params)
+    engine.step()  # one decode beside the new prefill
+    assert engine.stats()["num_mixed_steps"] == after["num_mixed_steps"] + 1
+    drive(engine)

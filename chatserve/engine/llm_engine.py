@@ -37,7 +37,7 @@ from chatserve.layers.ops import select_layer_ops
 from chatserve.models.config import ModelConfig, warn_past_context
 from chatserve.models.loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from chatserve.models.weight_cache import WeightCacheConfig
-from chatserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestStats
+from chatserve.outputs import CompletionOutput, EngineInfo, Logprob, RequestOutput, RequestStats
 from chatserve.sampling_params import SamplingParams
 from chatserve.spec_decode.config import parse_speculative_config
 from chatserve.spec_decode.proposer import SpecProposer, make_proposer
@@ -200,6 +200,8 @@ class LLMEngine:
         self.num_interrupted_steps = 0
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.num_prefill_chunks_continued = 0
+        self.num_mixed_steps = 0
         self.load_seconds = time.perf_counter() - t0
         logger.info(
             "chatserve engine: %s (%s, %s) loaded in %.1fs; max_model_len=%d; KV pool %d blocks x %d = %d tokens",
@@ -533,6 +535,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
+        self._count_layout(sched.scheduled)
         copies = self.block_manager.take_pending_copies()
         try:
             sampled = self.runner.execute(sched.scheduled, copies=copies,
@@ -584,6 +587,14 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _count_layout(self, scheduled: list[ScheduledSeq]) -> None:
+        """What each step mixed (stats): prefill chunks that continue a prompt (a cache hit or an earlier
+        chunk before them) and steps that run decodes beside prefill chunks (chunked prefill at work)."""
+        prefills = [s for s in scheduled if not s.is_decode and not s.is_verify]
+        self.num_prefill_chunks_continued += sum(1 for s in prefills if s.seq.num_computed_tokens > 0)
+        if prefills and len(prefills) < len(scheduled):
+            self.num_mixed_steps += 1
 
     def _append_token(self, seq: Sequence, token: int, lp: Any, now: float) -> None:
         """One sampled (or verified) token into seq: logprobs, grammar, stop checks; sets
@@ -762,6 +773,22 @@ class LLMEngine:
             report["tiers"] = {"memory": report["cached_tokens"], **self.kv_tiering.locate(history_token_ids, cache_salt)}
         return report
 
+    def info(self) -> EngineInfo:
+        """What this engine was built with (outputs.EngineInfo): the public view benchmarks read."""
+        runner, ops, pool = self.runner, self.runner.ops, self.runner.pool
+        return EngineInfo(
+            model=self.served_model_name, architecture=self.model_config.architecture,
+            num_layers=self.model_config.num_layers, device=self.device.type,
+            dtype=str(self.dtype).removeprefix("torch."), attention_backend=self.attention_backend,
+            kernels=ops.describe(), kernel_tier=ops.cpu.tier if ops.cpu is not None else None,
+            linear_impl=str(runner.linear_impl), batch_invariant=self.batch_invariant,
+            block_size=pool.block_size, num_kv_blocks=pool.num_blocks, kv_pool_tokens=pool.num_tokens,
+            kv_bytes_per_block=pool.bytes_per_block, max_model_len=self.max_model_len,
+            load_seconds=self.load_seconds, weights_load_seconds=runner.load_seconds,
+            weight_cache_status=str(runner.weight_cache.status),
+            plain_parameters=sum(p.numel() for p in runner.model.parameters()),
+        )
+
     def stats(self) -> dict[str, Any]:
         cache = self.block_manager.cache.stats()
         bm = self.block_manager
@@ -792,6 +819,8 @@ class LLMEngine:
             "num_prefill_tokens_computed": self.num_prefill_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
+            "num_prefill_chunks_continued": self.num_prefill_chunks_continued,
+            "num_mixed_steps": self.num_mixed_steps,
             "spec_decode": None if self.spec is None else {**self.spec.stats.as_dict(), "exact": self.batch_invariant},
             # every op of the forward pass batch- and thread-invariant (LayerOps.batch_invariant): the one flag
             # behind the determinism promise and speculative decoding's exactness

@@ -821,6 +821,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prefill_chunks_continued": self.num_prefill_chunks_continued,
             "num_mixed_steps": self.num_mixed_steps,
+            "num_interrupted_steps": self.num_interrupted_steps,  # prefill steps an abort stopped between layers
             "spec_decode": None if self.spec is None else {**self.spec.stats.as_dict(), "exact": self.batch_invariant},
             # every op of the forward pass batch- and thread-invariant (LayerOps.batch_invariant): the one flag
             # behind the determinism promise and speculative decoding's exactness

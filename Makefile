@@ -45,7 +45,7 @@ cluster: setup-redis
 
 # Lint (ruff, configured in pyproject.toml) and types of the torch-free layers (mypy: cache, core, bench).
 lint: setup
-	$(VENV)/bin/ruff check chatserve tests scripts
+	$(VENV)/bin/ruff check chatserve tests benchmarks
 	$(VENV)/bin/mypy
 
 # The documentation site from docs/ (mkdocs.yml): --strict turns every warning (a broken link or anchor,
@@ -65,4 +65,4 @@ test-all: setup-redis lint docs
 	exit $$rc
 
 bench: setup
-	$(PY) scripts/bench_offline.py $(BENCH_ARGS)
+	$(PY) benchmarks/peers/bench_offline.py $(BENCH_ARGS)

@@ -12,21 +12,22 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _load(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", SCRIPTS / f"{name}.py")
+def _load(path: str):
+    if str(BENCHMARKS) not in sys.path:  # their one helpers module, bench_common
+        sys.path.insert(0, str(BENCHMARKS))
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(f"_test_{name}", BENCHMARKS / path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
 
-bo = _load("bench_offline")
-bs = _load("bench_serving")
+bo = _load("peers/bench_offline.py")
+bs = _load("serving/bench_serving.py")
 
 
 def _res(**kw) -> dict:

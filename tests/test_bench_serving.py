@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py, run briefly as a user would: against a real chatserve server, and against
+"""benchmarks/serving/bench_serving.py, run briefly as a user would: against a real chatserve server, and against
 a minimal OpenAI-compatible server without chatserve's extras (no usage details, metrics, cancel
 endpoint or sessions), where it must degrade instead of failing."""
 
@@ -16,12 +16,12 @@ from .helpers import prefork
 from .helpers.net import free_port, wait_until
 from .helpers.server import ROOT, ServerProcess, start_server
 
-SCRIPT = ROOT / "scripts" / "bench_serving.py"
+SCRIPT = ROOT / "benchmarks" / "serving" / "bench_serving.py"
 DIST_KEYS = {"p50", "p90", "p99", "mean"}
 
 
 def run_bench(base_url: str, tmp_path: Path, name: str, *args: str, timeout: float = 120) -> dict:
-    """`python scripts/bench_serving.py ...` as a user runs it (a fork of the warm fork server:
+    """`python benchmarks/serving/bench_serving.py ...` as a user runs it (a fork of the warm fork server:
     tests/helpers/prefork.py), its JSON result."""
     out = tmp_path / f"{name}.json"
     proc = prefork.run([str(SCRIPT), "--base-url", base_url, "--json", str(out), "--no-progress", *args],

@@ -9,7 +9,7 @@ replica killed mid-run loses no finished turn while every session continues on t
 
 Which replica served a response is read from its X-Chatserve-Instance header. Replicas run one
 torch thread each (this machine has two cores) and replies are a few tokens: the mechanism is
-under test, not speed (scripts/bench_serving.py measures that).
+under test, not speed (benchmarks/serving/bench_serving.py measures that).
 """
 
 from __future__ import annotations

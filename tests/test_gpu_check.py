@@ -1,7 +1,7 @@
-"""scripts/gpu_check.py's bookkeeping, without a GPU: how the invariance section compares runs and
+"""benchmarks/gpu/gpu_check.py's bookkeeping, without a GPU: how the invariance section compares runs and
 what its MISMATCH rows do to the exit status, and the refusals of bad options.
 
-The script itself needs an NVIDIA GPU; `python scripts/gpu_check.py --smoke --sections invariance`
+The script itself needs an NVIDIA GPU; `python benchmarks/gpu/gpu_check.py --smoke --sections invariance`
 dry-runs it on the CPU with Triton's interpreter (about a minute), which is too slow for this suite.
 """
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu" / "gpu_check.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = module  # its dataclasses look their module up there
@@ -73,3 +73,10 @@ def test_a_part_that_raises_becomes_an_error_row_and_the_run_goes_on(gpu_check):
 def test_bad_options_are_refused_before_anything_runs(gpu_check, capsys, argv, message):
     assert gpu_check.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_layout_note_reads_the_step_layout_from_two_stats_snapshots(gpu_check):
+    """Scenario (4)'s note: what the engine's public counters moved by between the snapshots, not their totals."""
+    before = {"num_steps": 10, "num_prefill_chunks_continued": 3, "num_mixed_steps": 1, "num_preemptions": 0}
+    after = {"num_steps": 17, "num_prefill_chunks_continued": 7, "num_mixed_steps": 3, "num_preemptions": 5}
+    assert gpu_check.layout_note(before, after) == "7 steps, 4 chunks continuing a prompt, 2 steps with decodes + chunks"

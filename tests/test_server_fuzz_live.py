@@ -1,4 +1,4 @@
-"""scripts/fuzz_server.py against a live `chatserve serve`: its quick run (~200 hostile requests on every
+"""benchmarks/serving/fuzz_server.py against a live `chatserve serve`: its quick run (~200 hostile requests on every
 route, each followed by a request on the same connection) gets no 5xx, no connection reset, no timeout
 and no error outside the API's shape, the server serves normally afterwards and its log has no
 traceback. Also on the live server: --limit-concurrency answers past the limit with a 503 in OpenAI's
@@ -25,7 +25,7 @@ LIMIT = 12  # --limit-concurrency of the server below
 
 
 def _fuzz_module() -> Any:
-    spec = importlib.util.spec_from_file_location("fuzz_server", ROOT / "scripts" / "fuzz_server.py")
+    spec = importlib.util.spec_from_file_location("fuzz_server", ROOT / "benchmarks" / "serving" / "fuzz_server.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_server"] = module  # (dataclasses look their module up)
@@ -93,7 +93,7 @@ def test_a_rebinding_host_is_refused_and_loopback_names_are_not(server: ServerPr
 
 
 def test_the_script_lists_its_cases_from_the_command_line() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "fuzz_server.py"), "--list"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving" / "fuzz_server.py"), "--list"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.strip().splitlines()[-1].split()[0]) >= 400  # the full run

@@ -6,7 +6,7 @@
 
 The online side (client.py, datasets.py, text.py, results.py, progress.py, plot.py) imports only
 httpx and the standard library: it runs on a client machine without torch, and
-scripts/bench_serving.py builds its workloads (abort storms, TTFT runs) on the same pieces. This
+benchmarks/serving/bench_serving.py builds its workloads (abort storms, TTFT runs) on the same pieces. This
 package may import chatserve's public API (`chatserve.LLM`, `SamplingParams`, `EngineArgs`) and
 nothing of the server or the engine's internals.
 """

@@ -4,7 +4,7 @@ What every serving benchmark needs from a server, and nothing chatserve-specific
 the SSE stream of `/v1/chat/completions` or `/v1/completions` (each chunk with text is a token on
 chatserve, vLLM and llama.cpp), the usage the last chunk reports (`stream_options.include_usage`),
 the first model of `GET /v1/models`, and the Prometheus text of `/metrics` summed per name.
-Only httpx and the standard library: `chatserve bench serve` and scripts/bench_serving.py run on a
+Only httpx and the standard library: `chatserve bench serve` and benchmarks/serving/bench_serving.py run on a
 client machine against any OpenAI-compatible server without torch or the engine.
 """
 

@@ -6,7 +6,7 @@ shared prefix for a prefix cache to find). Lengths are in approximate tokens: Sm
 gives about `CHARS_PER_TOKEN` characters per token on this text (measured; other tokenizers are
 within ~15%); the real counts come back in each response's `usage`.
 
-Shared by `chatserve bench serve` (chatserve/bench/datasets.py) and scripts/bench_serving.py.
+Shared by `chatserve bench serve` (chatserve/bench/datasets.py) and benchmarks/serving/bench_serving.py.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class QuantKernels:
     rows: Callable[..., torch.Tensor]  # (packed, qtype, ids int64 [T], N, K) -> bf16 [T, K]
     dequantize: Callable[..., torch.Tensor]  # (packed, qtype, N, K) -> bf16 [N, K]
     packed_nbytes: Callable[[int, int, int], int]  # (qtype, N, K) -> bytes of the packed weight
-    # (bytes > 0: set; 0: keep) -> the decode path's prefetch distance before; for scripts/bench_quant.py
+    # (bytes > 0: set; 0: keep) -> the decode path's prefetch distance before; for benchmarks/kernels/bench_quant.py
     prefetch_bytes: Callable[[int], int] | None = None
     # the kernel tier (kernels/tiers.py) these were built for; a packed weight is only valid for its tier
     tier: str = "avx512_bf16"

@@ -227,7 +227,7 @@ MIN_KEYS_PER_SPLIT = 1024
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
     """Split the context when (sequences x KV heads) programs would leave the GPU idle.
 
-    Each split gets at least 1,024 keys. Measured on one H200 (scripts/gpu_tune.py, bf16, 14q/2kv
+    Each split gets at least 1,024 keys. Measured on one H200 (benchmarks/gpu/gpu_tune.py, bf16, 14q/2kv
     d64): with 256 keys a split, B=64 x 1,024-token contexts took 3 splits and 117 us against 30 us
     unsplit (the merge and the extra partial sums cost more than the idle SMs); B=1 x 4,096 tokens
     is fastest with 4 splits (36 us; 16 splits 45 us).
@@ -257,7 +257,7 @@ def paged_decode_attention(
     num_splits: int | None = None,  # override the split heuristic (tests)
     window: int = 0,  # > 0: the last `window` keys only (a sliding-window layer)
     softcap: float = 0.0,  # > 0: soft-capped scores (Gemma 2)
-    block_n: int | None = None,  # tuning overrides (scripts/gpu_tune.py); None = the defaults below
+    block_n: int | None = None,  # tuning overrides (benchmarks/gpu/gpu_tune.py); None = the defaults below
     num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -422,7 +422,7 @@ def paged_extend_attention(
     *,
     max_query_len: int | None = None,  # longest run of new tokens; computed (one sync) when omitted
     out: torch.Tensor | None = None,
-    block_m: int | None = None,  # tuning overrides (scripts/gpu_tune.py); None = the defaults below
+    block_m: int | None = None,  # tuning overrides (benchmarks/gpu/gpu_tune.py); None = the defaults below
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,

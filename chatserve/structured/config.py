@@ -63,7 +63,7 @@ def parse_structured_outputs_config(value: str | dict[str, Any] | StructuredOutp
 def whitespace_runs(text: str) -> list[int]:
     """The lengths of the runs of JSON whitespace between tokens of ``text`` (string contents,
     escapes included, skipped): what ``max_whitespace`` bounds, measured on an output (the tests and
-    ``scripts/probe_json_whitespace.py`` read replies with it)."""
+    ``benchmarks/serving/probe_json_whitespace.py`` read replies with it)."""
     runs: list[int] = []
     run, in_string, escaped = 0, False, False
     for ch in text:

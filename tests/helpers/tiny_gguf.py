@@ -21,7 +21,7 @@ H, FF, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """A Llama-shaped model's sizes (the tests' tiny one by default; scripts/make_random_gguf.py
+    """A Llama-shaped model's sizes (the tests' tiny one by default; benchmarks/models/make_random_gguf.py
     writes 1B-class ones with the same code)."""
 
     hidden: int = H

@@ -12,25 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chatserve.tools import HERMES, XLAM, ToolFormat, shipped_tool_template
+from chatserve.tools.rendering import ToolRendering, tool_rendering_for
 
 Message = Mapping[str, Any]
-# A conversation and a tool that only the tool-detection probe renders.
-_PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "chatserve_probe_tool", "description": "probe",
-                                                    "parameters": {"type": "object", "properties": {}}}}]
-
-
-@dataclass(frozen=True)
-class ToolRendering:
-    """How a request with tools is rendered and how its replies spell calls.
-
-    `chat_template` None means the model's own template (it renders `tools`; its calls are assumed
-    Hermes-style, as Qwen2/2.5/3's are); otherwise the shipped xLAM template, for templates that ignore tools."""
-
-    chat_template: str | None
-    format: ToolFormat
-    own_template: bool
 
 
 @dataclass(frozen=True)
@@ -142,7 +126,7 @@ class InputProcessor:
         self.max_model_len_note = max_model_len_note  # why the limit is what it is, e.g. the KV pool
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
-        self._tool_renderings: dict[str, ToolRendering] = {}
+        self._tool_renderings: dict[tuple[str, str | None], ToolRendering] = {}
 
     def render_chat(
         self,
@@ -153,6 +137,7 @@ class InputProcessor:
         tools: Sequence[Mapping[str, Any]] | None = None,
         param: str = "messages",
         continue_final_message: bool = False,
+        tool_parser: str | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """A conversation's token ids through the chat template; PromptError(param=param) if it cannot render.
@@ -161,7 +146,7 @@ class InputProcessor:
         `tool_rendering` picks (the model's own if it renders tools, else the shipped one)."""
         text = self.render_chat_text(messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                                      tools=tools, param=param, continue_final_message=continue_final_message,
-                                     **template_kwargs)
+                                     tool_parser=tool_parser, **template_kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render_chat_text(
@@ -173,11 +158,13 @@ class InputProcessor:
         tools: Sequence[Mapping[str, Any]] | None = None,
         param: str = "messages",
         continue_final_message: bool = False,
+        tool_parser: str | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """What `render_chat` tokenizes: the conversation's text through the template it picks."""
+        """What `render_chat` tokenizes: the conversation's text through the template it picks
+        (with tools: `tool_rendering(chat_template, tool_parser)`'s)."""
         if tools or _has_tool_messages(messages):
-            rendering = self.tool_rendering(chat_template)
+            rendering = self.tool_rendering(chat_template, tool_parser)
             chat_template = rendering.chat_template
             if tools:
                 template_kwargs["tools"] = [dict(t) for t in tools]
@@ -186,28 +173,15 @@ class InputProcessor:
             continue_final_message=continue_final_message, **template_kwargs
         )
 
-    def tool_rendering(self, chat_template: str | None = None) -> ToolRendering:
-        """Whether `chat_template` (default: the model's) renders tools, found once per template by
-        rendering a probe conversation with and without a tool and comparing."""
-        key = chat_template or ""
+    def tool_rendering(self, chat_template: str | None = None, parser: str | None = None) -> ToolRendering:
+        """The template and call format of requests with tools (chatserve.tools.rendering): `chat_template`'s
+        own format (default: the model's template), or `parser`'s (--tool-call-parser). Found once per pair."""
+        key = (chat_template or "", parser)
         found = self._tool_renderings.get(key)
         if found is None:
-            found = self._detect_tool_rendering(chat_template)
+            found = tool_rendering_for(self.tokenizer, chat_template, parser)
             self._tool_renderings[key] = found
         return found
-
-    def _detect_tool_rendering(self, chat_template: str | None) -> ToolRendering:
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            return ToolRendering(shipped_tool_template(), XLAM, own_template=False)
-        try:
-            plain = self.tokenizer.apply_chat_template(_PROBE_MESSAGES, tokenize=False, chat_template=chat_template)
-            with_tools = self.tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS, tokenize=False,
-                                                            chat_template=chat_template)
-        except Exception:  # noqa: BLE001 - a template that cannot render the probe does not render tools
-            return ToolRendering(shipped_tool_template(), XLAM, own_template=False)
-        if plain != with_tools and "chatserve_probe_tool" in with_tools:
-            return ToolRendering(chat_template, HERMES, own_template=True)
-        return ToolRendering(shipped_tool_template(), XLAM, own_template=False)
 
     def process(
         self, prompt: str | dict[str, Any] | ProcessedPrompt, *, max_tokens: int | None = None, param: str = "prompt"

@@ -1,268 +1,94 @@
-"""How a model spells a tool call in its reply, and the structural tags that make it spell one.
+"""How each model family spells a tool call in its reply: the formats `--tool-call-parser` names.
 
-Two formats, both opened by `<tool_call>` and closed by `</tool_call>`:
+vLLM's names, and the spellings those families were trained on:
 
-- `XLAM` (xLAM / APIGen, what SmolLM2 was trained on): one block holding a JSON list,
+- `xlam` (xLAM / APIGen, what SmolLM2 was trained on): one block holding a JSON list,
   `<tool_call>[{"name": "f", "arguments": {...}}, ...]</tool_call>`.
-- `HERMES` (Qwen2/2.5/3, Hermes, and most templates that render `tools`): one block per call,
-  `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`.
+- `hermes` (Qwen2/2.5/3, Hermes, most templates that render `tools`): one block per call,
+  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`.
+- `llama3_json` (Llama 3.1+ JSON calls): a bare object `{"name": "f", "parameters": {...}}`, with or
+  without a leading `<|python_tag|>`, several separated by `;`.
+- `mistral`: after `[TOOL_CALLS]`, either a JSON list of calls (v3 tokenizers) or `f[ARGS]{...}`
+  (v11+ templates, `[TOOL_CALLS]` again before each further call); both are read, and the constraint
+  writes the spelling the model's template uses. Call ids are 9 alphanumerics (Mistral's templates
+  refuse any other).
+- `qwen3_coder`: XML, `<tool_call>\\n<function=f>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>`,
+  each value typed from the function's schema.
+- `pythonic` (Llama 3.2/4's pythonic calls): a Python list of calls, `[f(a=1, b="x"), g()]`.
 
-Each format can say which calls a block holds (`calls_in_block`, `partial_calls_in_block` for a
-block cut off by max_tokens) and build the xgrammar structural-tag pieces (`block_tags`) whose output
-is exactly such a block with arguments that validate against the function's schema. Reading calls
-as they stream, arguments and all, is `chatserve.tools.parser`'s incremental scanner; `partial_call`
-names a call it was cut inside of.
+A `ToolFormat` is plain data: the openings and closing of a block, how its calls are written
+(`syntax`: which reader reads them, `chatserve.tools.parser`), the key its constrained spelling
+writes, and how its call ids look. The grammar that makes a model write one is `chatserve.tools.grammar`.
 """
 
 from __future__ import annotations
 
-import json
+import secrets
+import string
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
-from chatserve.tools.spec import FunctionTool
+from chatserve.tools.spec import new_call_id
 
-OPENING = "<tool_call>"
-CLOSING = "</tool_call>"
-
-
-def _call_object_schema(tool: FunctionTool) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.arguments_schema},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
+_ALNUM = string.ascii_letters + string.digits
 
 
-def _as_call(item: Any) -> tuple[str, dict[str, Any]] | None:
-    """{"name": str, "arguments": {...} or its JSON text} -> (name, arguments), else None."""
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    args = item.get("arguments", item.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return item["name"], args
-
-
-_WS = " \t\n\r"
-CUT_KEY = "\x00"  # marks a member name cut before its closing quote (_partial_object)
-
-
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    return i
-
-
-def _value_end(text: str, i: int) -> int | None:
-    """Where the JSON value starting at `i` ends (one past it); None if `text` ends first. Assumes a
-    well-formed prefix (what a grammar let through): only strings and nesting are tracked."""
-    if i >= len(text):
-        return None
-    if text[i] not in '"{[':  # a number, true, false or null: up to the next delimiter
-        for j in range(i, len(text)):
-            if text[j] in _WS or text[j] in ",}]":
-                return j
-        return None
-    depth, in_string, escaped = 0, False, False
-    for j in range(i, len(text)):
-        ch = text[j]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 0:
-                    return j + 1
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
-
-
-def _partial_string(text: str) -> str:
-    """The characters of a string literal cut before its closing quote (`text` starts after the opening one)."""
-    for cut in (text, text[:-1], text[:-2], text[:-3], text[:-4], text[:-5]):  # a cut escape sequence
-        try:
-            return str(json.loads('"' + cut + '"'))
-        except ValueError:
-            continue
-    return ""
-
-
-def _partial_object(text: str, i: int) -> tuple[dict[str, tuple[int, int | None]], int | None]:
-    """The members of the object starting at `text[i] == "{"`, cut anywhere: {key: (value start, value
-    end or None)}, and where the object ends (None: cut). A key cut in the middle is CUT_KEY + its prefix."""
-    members: dict[str, tuple[int, int | None]] = {}
-    i = _skip_ws(text, i + 1)
-    while i < len(text):
-        if text[i] == "}":
-            return members, i + 1
-        if text[i] == ",":
-            i = _skip_ws(text, i + 1)
-            continue
-        if text[i] != '"':
-            return members, None
-        key_end = _value_end(text, i)
-        if key_end is None:
-            members[CUT_KEY + _partial_string(text[i + 1:])] = (len(text), None)
-            return members, None
-        key = str(json.loads(text[i:key_end]))
-        i = _skip_ws(text, key_end)
-        if i >= len(text) or text[i] != ":":
-            members[key] = (len(text), None)
-            return members, None
-        start = _skip_ws(text, i + 1)
-        end = _value_end(text, start)
-        members[key] = (start, end)
-        if end is None:
-            return members, None
-        i = _skip_ws(text, end)
-    return members, None
-
-
-@dataclass(frozen=True)
-class PartialCall:
-    """A call read out of a block that was cut off (max_tokens): its arguments are the text as far as
-    it was generated, as generated (`complete`: they are a whole JSON object)."""
-
-    name: str
-    arguments: str
-    complete: bool
-
-
-def _name_of(text: str, members: dict[str, tuple[int, int | None]], known: list[str]) -> str | None:
-    """The call's function: its whole name if known, else the one known name its cut name (or, with
-    no name written yet, the one known name) can be."""
-    span = members.get("name")
-    if span is not None and span[1] is not None:
-        name = json.loads(text[span[0]:span[1]])
-        return name if isinstance(name, str) and name in known else None
-    if span is not None:  # cut inside the name's string
-        prefix = _partial_string(text[span[0] + 1:]) if text[span[0]:span[0] + 1] == '"' else ""
-    else:
-        cut_keys = [k[1:] for k in members if k.startswith(CUT_KEY)]
-        if any(k for k in members if not k.startswith(CUT_KEY)) or (cut_keys and not "name".startswith(cut_keys[0])):
-            return None
-        prefix = ""
-    matches = [n for n in known if n.startswith(prefix)]
-    return matches[0] if len(matches) == 1 else None
-
-
-def _partial_call(text: str, start: int, known: list[str]) -> tuple[PartialCall | None, int | None]:
-    members, end = _partial_object(text, start)
-    name = _name_of(text, members, known)
-    if name is None:
-        return None, end
-    span = members.get("arguments", members.get("parameters"))
-    if span is None:
-        return PartialCall(name, "", False), end
-    raw = text[span[0]:span[1] if span[1] is not None else len(text)]
-    if raw.startswith('"'):  # the arguments as a JSON string holding their JSON text
-        raw = str(json.loads(raw)) if span[1] is not None else _partial_string(raw[1:])
-    try:
-        whole = isinstance(json.loads(raw), dict)
-    except ValueError:
-        whole = False
-    return PartialCall(name, raw, whole), end
-
-
-def partial_call(text: str, start: int, known: list[str]) -> PartialCall | None:
-    """The call whose object starts at `text[start] == "{"` and was cut off at the end of `text`: its
-    function (the name written, or the one of `known` a cut name or no name can only be) and its
-    arguments' text as far as generated; None if it cannot be named."""
-    return _partial_call(text, start, known)[0]
+def mistral_call_id() -> str:
+    """9 random alphanumerics: the only call id Mistral's chat templates accept."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """One way of spelling calls; `list_in_block` says whether a block holds a list (xLAM) or one call (Hermes)."""
+    """One way of spelling calls in a reply.
+
+    `openings`: text that opens a block of calls; those in `kept` are the calls' own first character
+    (llama's `{`, pythonic's `[`), read as part of them. `closing`: the block's end tag; "" when the block
+    ends where its calls do. `syntax`: the reader of what a block holds ("json" objects with a name and
+    arguments, mistral's `name[ARGS]{...}` among them; "xml" for qwen3_coder; "pythonic").
+    `list_in_block`: the constrained spelling is one JSON list of calls in one block (xlam, mistral v3).
+    `call_separator`: what stands between two calls of one block besides a list's commas (llama's ";").
+    `arguments_key`: the key the constrained spelling writes the arguments under.
+    """
 
     name: str
-    list_in_block: bool
-    opening: str = OPENING
-    closing: str = CLOSING
+    syntax: Literal["json", "xml", "pythonic"] = "json"
+    openings: tuple[str, ...] = ("<tool_call>",)
+    closing: str = "</tool_call>"
+    kept: tuple[str, ...] = ()
+    list_in_block: bool = False
+    call_separator: str = ""
+    bare_name: bool = False
+    arguments_key: str = "arguments"
+    mistral_ids: bool = False
 
-    def calls_in_block(self, inner: str) -> list[tuple[str, dict[str, Any]]] | None:
-        """The calls between an opening and its closing; None if it is not valid JSON of calls."""
-        try:
-            value = json.loads(inner)
-        except ValueError:
-            return None
-        items = value if isinstance(value, list) else [value]
-        calls = [_as_call(item) for item in items]
-        if not calls or any(c is None for c in calls):
-            return None
-        return [c for c in calls if c is not None]
+    @property
+    def opening(self) -> str:
+        """The opening the constrained spelling writes (the first one)."""
+        return self.openings[0]
 
-    def partial_calls_in_block(self, inner: str, known: list[str]) -> list[PartialCall] | None:
-        """The calls of a block that was cut off before its closing: the finished ones and the one the
-        cut fell in (its name, and its arguments as generated so far); None if no call can be named."""
-        i = _skip_ws(inner, 0)
-        calls: list[PartialCall] = []
-        if self.list_in_block:
-            if i >= len(inner):
-                return [PartialCall(known[0], "", False)] if len(known) == 1 else None
-            if inner[i] != "[":
-                return None
-            i = _skip_ws(inner, i + 1)
-            while i < len(inner) and inner[i] == "{":
-                call, end = _partial_call(inner, i, known)
-                if call is None:
-                    break
-                calls.append(call)
-                if end is None:
-                    break
-                i = _skip_ws(inner, end)
-                if i < len(inner) and inner[i] == ",":
-                    i = _skip_ws(inner, i + 1)
-            if not calls and i >= len(inner) and len(known) == 1:
-                calls.append(PartialCall(known[0], "", False))
-            return calls or None
-        if i >= len(inner):
-            return [PartialCall(known[0], "", False)] if len(known) == 1 else None
-        if inner[i] != "{":
-            return None
-        call, _ = _partial_call(inner, i, known)
-        return [call] if call is not None else None
-
-    def block_tags(self, tools: list[FunctionTool], parallel: bool) -> list[dict[str, Any]]:
-        """Structural `tag` formats, each matching one whole block that calls one of `tools`."""
-        if self.list_in_block:
-            items: dict[str, Any] = {"anyOf": [_call_object_schema(t) for t in tools]} if len(tools) > 1 \
-                else _call_object_schema(tools[0])
-            schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-            if not parallel:
-                schema["maxItems"] = 1
-            return [{"type": "tag", "begin": self.opening, "content": {"type": "json_schema", "json_schema": schema},
-                     "end": self.closing}]
-        return [
-            {"type": "tag", "begin": f'{self.opening}\n{{"name": {json.dumps(t.name)}, "arguments": ',
-             "content": {"type": "json_schema", "json_schema": t.arguments_schema}, "end": f"}}\n{self.closing}"}
-            for t in tools
-        ]
+    def new_call_id(self) -> str:
+        return mistral_call_id() if self.mistral_ids else new_call_id()
 
 
 XLAM = ToolFormat("xlam", list_in_block=True)
-HERMES = ToolFormat("hermes", list_in_block=False)
-_FORMATS = {f.name: f for f in (XLAM, HERMES)}
+HERMES = ToolFormat("hermes")
+LLAMA3_JSON = ToolFormat("llama3_json", openings=("<|python_tag|>", "{"), closing="", kept=("{",),
+                         call_separator=";", arguments_key="parameters")
+MISTRAL = ToolFormat("mistral", openings=("[TOOL_CALLS]",), closing="", list_in_block=True, bare_name=True,
+                     mistral_ids=True)
+"""Mistral as v3 tokenizers write it: a JSON list after `[TOOL_CALLS]` (the v11 spelling is read too)."""
+MISTRAL_V11 = ToolFormat("mistral", openings=("[TOOL_CALLS]",), closing="", bare_name=True, mistral_ids=True)
+"""Mistral as v11+ templates write it: `[TOOL_CALLS]name[ARGS]{...}` per call (the list is read too)."""
+QWEN3_CODER = ToolFormat("qwen3_coder", syntax="xml")
+PYTHONIC = ToolFormat("pythonic", syntax="pythonic", openings=("[",), closing="", kept=("[",))
+
+TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, XLAM, LLAMA3_JSON, MISTRAL, QWEN3_CODER, PYTHONIC)}
+TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)  # the --tool-call-parser choices
 
 
 def tool_format_named(name: str) -> ToolFormat:
     try:
-        return _FORMATS[name]
+        return TOOL_FORMATS[name]
     except KeyError:
-        raise ValueError(f"unknown tool format {name!r}; known: {sorted(_FORMATS)}") from None
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of: {', '.join(TOOL_CALL_PARSERS)}") from None

@@ -425,3 +425,177 @@ def test_event_loop_ending_mid_generation_aborts_live_requests(tiny):
     assert m.finish_reason == "abort"
     run(assert_idle(engine))
     run(engine.shutdown())
+
+
+# ---------------------------------------------------------------------------------------------
+# a request's end is recorded once, whatever ended it
+
+
+async def drain_one_end(stream) -> object:
+    """Read a stream to its end; return its last item (a finished output, or the exception it raised).
+    Exactly one final item may come: nothing follows a finished output, and nothing precedes an error
+    but unfinished outputs."""
+    items: list = []
+    try:
+        async for out in stream:
+            items.append(out)
+    except Exception as exc:  # noqa: BLE001 - the error is the request's end, checked by the caller
+        items.append(exc)
+    finals = [i for i in items if isinstance(i, BaseException) or i.finished]
+    assert finals == items[-1:], items
+    return items[-1]
+
+
+def assert_each_ended_once(engine: AsyncLLMEngine, rids: list[str], ended_before: int) -> None:
+    stats = engine.stats()
+    assert stats["num_requests_ended"] - ended_before == len(rids), (rids, stats["num_requests_ended"], ended_before)
+    assert stats["num_live_requests"] == 0 and engine.num_live_requests == 0
+    finished_ids = [m.request_id for m in engine.recent_metrics]
+    for rid in rids:
+        assert finished_ids.count(rid) == 1, (rid, finished_ids)
+
+
+def test_every_way_a_request_ends_is_counted_once(tiny, tmp_path):
+    """Finish; abort before the loop added it, while its grammar compiles, while its KV tier lookup
+    is out, mid-prefill and mid-decode; refused by the LLMEngine; shutdown; the event loop ending;
+    the engine dying: each ends its request exactly once (the ended count, the live count, the
+    metrics history and the stream's one final item agree)."""
+    import concurrent.futures
+
+    from chatserve.sampling_params import StructuredOutputsParams
+
+    # 16-token chunks: a 400-token prompt prefills over 25 steps; the offload dir gives it KV tiers
+    engine = make_engine(tiny, block_size=16, max_num_batched_tokens=16, kv_offload_dir=str(tmp_path / "kv"))
+    rng = random.Random(11)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    compile_gate = threading.Event()
+    real_compile = engine.engine.structured._compile_uncached
+    engine.engine.structured._compile_uncached = lambda spec: (compile_gate.wait(60), real_compile(spec))[1]
+    tiers = engine.engine.kv_tiering
+    real_lookup = tiers.submit_lookup
+
+    async def ends(rid: str, stream, abort_when) -> object:
+        """Consume the stream; abort once abort_when() holds (checked between items and every ms)."""
+        consumer = asyncio.ensure_future(drain_one_end(stream))
+        while not abort_when():
+            await asyncio.sleep(0.001)
+        await engine.abort(rid)
+        return await consumer
+
+    async def main():
+        before = engine.stats()["num_requests_ended"]
+        # it finishes
+        final = await drain_one_end(engine.generate({"prompt_token_ids": random_ids(rng, 5, 5)},
+                                                    SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), "finishes"))
+        assert final.outputs[0].finish_reason == "length"
+        assert_each_ended_once(engine, ["finishes"], before)
+
+        # aborted before the loop added it
+        before = engine.stats()["num_requests_ended"]
+        stream = engine.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, params, "not-added")
+        await engine.abort("not-added")
+        assert (await drain_one_end(stream)).outputs[0].finish_reason == "abort"
+        assert engine.request_metrics("not-added").aborted_in_state == "waiting"
+        assert_each_ended_once(engine, ["not-added"], before)
+
+        # aborted while its grammar compiles
+        before = engine.stats()["num_requests_ended"]
+        grammar = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        stream = engine.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, grammar, "grammar-wait")
+        final = await ends("grammar-wait", stream, lambda: engine.engine.num_waiting_for_grammar == 1)
+        compile_gate.set()
+        assert final.outputs[0].finish_reason == "abort" and engine.engine.num_waiting_for_grammar == 0
+        assert_each_ended_once(engine, ["grammar-wait"], before)
+
+        # aborted while its KV tier lookup is out (a lookup that never lands)
+        before = engine.stats()["num_requests_ended"]
+        tiers.submit_lookup = lambda *args, **kwargs: concurrent.futures.Future()
+        stream = engine.generate({"prompt_token_ids": random_ids(rng, 40, 40)}, params, "kv-wait")
+        final = await ends("kv-wait", stream, lambda: engine.engine.num_waiting_for_kv == 1)
+        tiers.submit_lookup = real_lookup
+        assert final.outputs[0].finish_reason == "abort" and engine.engine.num_waiting_for_kv == 0
+        assert_each_ended_once(engine, ["kv-wait"], before)
+
+        # aborted mid-prefill, and mid-decode
+        before = engine.stats()["num_requests_ended"]
+        steps = engine.stats()["num_steps"]
+        stream = engine.generate({"prompt_token_ids": random_ids(rng, 400, 400)}, params, "prefilling")
+        final = await ends("prefilling", stream, lambda: engine.stats()["num_steps"] >= steps + 3)
+        assert engine.request_metrics("prefilling").aborted_in_state == "prefilling"
+        outputs: list = []
+        stream = engine.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, params, "decoding")
+
+        async def watch(stream):
+            async for out in stream:
+                outputs.append(out)
+            return outputs[-1]
+
+        consumer = asyncio.ensure_future(watch(stream))
+        while len(outputs) < 3:
+            await asyncio.sleep(0.001)
+        await engine.abort("decoding")
+        assert (await consumer).outputs[0].finish_reason == "abort"
+        assert engine.request_metrics("decoding").aborted_in_state == "decoding"
+        assert_each_ended_once(engine, ["prefilling", "decoding"], before)
+
+        # refused by the LLMEngine when the loop adds it
+        before = engine.stats()["num_requests_ended"]
+        real_add = engine.engine.add_request
+
+        def refuse(request_id, *args, **kwargs):
+            if request_id == "refused":
+                raise RuntimeError("refused at add")
+            return real_add(request_id, *args, **kwargs)
+
+        engine.engine.add_request = refuse
+        try:
+            error = await drain_one_end(engine.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, params, "refused"))
+        finally:
+            del engine.engine.add_request
+        assert isinstance(error, RuntimeError) and "refused at add" in str(error)
+        assert_each_ended_once(engine, ["refused"], before)
+        await assert_idle(engine)
+
+    run(main())
+
+    # the event loop ends with a request live: the loop aborts it on its way out
+    before = engine.stats()["num_requests_ended"]
+
+    async def leave_running():
+        stream = engine.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, params, "orphan")
+        await stream.__anext__()
+
+    run(leave_running())
+    assert engine.request_metrics("orphan").finish_reason == "abort"
+    assert_each_ended_once(engine, ["orphan"], before)
+
+    async def shut_down_live():
+        before = engine.stats()["num_requests_ended"]
+        streams = {rid: engine.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, params, rid) for rid in ("live-1", "live-2")}
+        await streams["live-1"].__anext__()
+        consumers = [asyncio.ensure_future(drain_one_end(s)) for s in streams.values()]
+        await engine.shutdown()
+        assert [f.outputs[0].finish_reason for f in await asyncio.gather(*consumers)] == ["abort", "abort"]
+        assert_each_ended_once(engine, ["live-1", "live-2"], before)
+
+    run(shut_down_live())
+
+    # the engine dies: every live request (running, waiting, not yet added) ends once, with EngineDeadError
+    doomed = make_engine(tiny, max_num_seqs=2)
+
+    async def die():
+        streams = {rid: doomed.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, params, rid) for rid in ("d-0", "d-1", "d-2")}
+        await streams["d-0"].__anext__()
+
+        def boom():
+            raise RuntimeError("simulated device error")
+
+        doomed.engine.step = boom
+        late = doomed.generate({"prompt_token_ids": random_ids(rng, 5, 5)}, params, "d-late")
+        finals = await asyncio.gather(*(drain_one_end(s) for s in (*streams.values(), late)))
+        assert all(isinstance(f, EngineDeadError) for f in finals), finals
+        assert_each_ended_once(doomed, ["d-0", "d-1", "d-2", "d-late"], 0)
+        await doomed.shutdown()
+        assert doomed.stats()["num_requests_ended"] == 4
+
+    run(die())

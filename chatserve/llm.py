@@ -85,6 +85,7 @@ class LLM:
         tool_choice: str | dict[str, Any] = "auto",
         parallel_tool_calls: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
 
@@ -93,6 +94,8 @@ class LLM:
         "function": {"name": ...}} constrains the reply to well-formed calls ("auto": text or a call),
         and each output's `tool_calls` holds the calls parsed from its text (`chatserve.tools.ToolCall`); an
         output cut by max_tokens (finish_reason "length") inside a call holds it partial (`complete` False).
+        `tool_call_parser` forces a call format as `chatserve serve --tool-call-parser` does (default: the
+        template's own).
         """
         if not messages:
             raise ValueError("messages is empty")
@@ -106,19 +109,19 @@ class LLM:
         prompts = [
             processor.process({"prompt_token_ids": processor.render_chat(
                 conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=offered,
-                **(chat_template_kwargs or {}))})
+                tool_parser=tool_call_parser, **(chat_template_kwargs or {}))})
             for conv in conversations
         ]
         if not offered:
             return self.generate(prompts, sampling_params)
-        fmt = processor.tool_rendering(chat_template).format
+        fmt = processor.tool_rendering(chat_template, tool_call_parser).format
         grammar = tool_grammar(fmt, specs, choice, parallel_tool_calls)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if grammar is not None:
             params_list = [_with_grammar(p, grammar) for p in params_list]
         outputs = self.generate(prompts, params_list)
-        names = [t.name for t in choice.allowed(specs)]
+        names = {t.name: t.arguments_schema for t in choice.allowed(specs)}
         for out in outputs:
             for o in out.outputs:
                 o.tool_calls = parse_tool_calls(o.text, fmt, names, truncated=o.finish_reason == "length").tool_calls

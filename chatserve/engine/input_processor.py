@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chatserve.tools.rendering import ToolRendering, tool_rendering_for
+from chatserve.tools.rendering import ToolRendering, messages_for_format, tool_rendering_for
 
 Message = Mapping[str, Any]
 
@@ -166,6 +166,7 @@ class InputProcessor:
         if tools or _has_tool_messages(messages):
             rendering = self.tool_rendering(chat_template, tool_parser)
             chat_template = rendering.chat_template
+            messages = messages_for_format(messages, rendering.format)
             if tools:
                 template_kwargs["tools"] = [dict(t) for t in tools]
         return render_chat_template(

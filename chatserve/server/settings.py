@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from chatserve.config import served_names
+from chatserve.tools.formats import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from chatserve.sessions.store import SessionLimits
@@ -55,6 +56,13 @@ class ServerSettings:
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template file used instead of the model's own (default: the model's; with tools, "
                 "the model's if it renders tools, else chatserve's shipped xLAM tool template)"})
+    tool_call_parser: Literal["hermes", "xlam", "llama3_json", "mistral", "qwen3_coder", "pythonic"] | None = field(
+        default=None, metadata={
+            "help": "the tool-call format replies are parsed in and constrained to (vLLM's names): hermes, xlam, "
+                    "llama3_json, mistral, qwen3_coder or pythonic (default: the chat template's own format, found "
+                    "by rendering a call through it; xlam for a template that ignores tools, SmolLM2's). A template "
+                    "without that format's syntax gets chatserve's ChatML template for it, which describes the "
+                    "tools in the system prompt (docs/tools-and-structured-outputs.md)"})
     serve_web: bool = field(default=True, metadata={"help": "serve the browser client at /", "aliases": ("--web",)})
     instance_id: str | None = field(default=None, metadata={
         "help": "this replica's name in every response's X-Chatserve-Instance header, so a client behind a router "
@@ -145,6 +153,9 @@ class ServerSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_request_limits()
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser: unknown parser {self.tool_call_parser!r}; choose one of: "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
 
     def _check_request_limits(self) -> None:
         if not self.grammar_compile_timeout_s > 0:

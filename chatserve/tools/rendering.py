@@ -17,6 +17,9 @@ this one's.
 
 from __future__ import annotations
 
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -117,3 +120,35 @@ def tool_rendering_for(tokenizer: Any, chat_template: str | None, parser: str | 
     if forced.name == "mistral":
         forced = MISTRAL_V11  # the spelling the shipped template writes
     return ToolRendering(shipped_format_template(forced), forced, own_template=False)
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def mistral_template_id(call_id: str) -> str:
+    """A call id as Mistral's templates accept it (9 alphanumerics): as it is if it is one, else its last 9
+    alphanumerics (vLLM's truncation), padded from a hash of it when it has fewer; the same id always
+    gives the same text, so a conversation re-renders to the same prompt."""
+    if _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    alnum = re.sub(r"[^A-Za-z0-9]", "", call_id)
+    if len(alnum) >= 9:
+        return alnum[-9:]
+    return (alnum + hashlib.sha256(call_id.encode()).hexdigest())[:9]
+
+
+def messages_for_format(messages: Sequence[Mapping[str, Any]], fmt: ToolFormat) -> list[Mapping[str, Any]]:
+    """The conversation as the format's templates take it: for mistral, call ids other clients made
+    (`call_...`, Anthropic's `toolu_...`) become 9 alphanumerics in calls and results alike."""
+    if not fmt.mistral_ids:
+        return list(messages)
+    out: list[Mapping[str, Any]] = []
+    for m in messages:
+        entry = dict(m)
+        if isinstance(entry.get("tool_calls"), list):
+            entry["tool_calls"] = [{**c, "id": mistral_template_id(c["id"])} if isinstance(c, Mapping) and
+                                   isinstance(c.get("id"), str) else c for c in entry["tool_calls"]]
+        if isinstance(entry.get("tool_call_id"), str):
+            entry["tool_call_id"] = mistral_template_id(entry["tool_call_id"])
+        out.append(entry)
+    return out

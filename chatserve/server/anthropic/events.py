@@ -99,8 +99,7 @@ class MessageBuilder:
 
     def __post_init__(self) -> None:
         if self.plan is not None and self.plan.parses_calls:
-            names = [t.name for t in self.plan.choice.allowed(self.plan.tools)]
-            self._parser = ToolCallStreamParser(self.plan.format, names, make_id=lambda: new_id("toolu_"))
+            self._parser = self.plan.parser(make_id=lambda: new_id("toolu_"))
 
     @property
     def called(self) -> bool:

@@ -169,7 +169,8 @@ def fold_inline_system(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def tool_plan(body: MessagesBase, processor: InputProcessor, chat_template: str | None, loaded: set[str]) -> ToolPlan | None:
+def tool_plan(body: MessagesBase, processor: InputProcessor, chat_template: str | None, loaded: set[str],
+              tool_parser: str | None = None) -> ToolPlan | None:
     """The request's tools as the shared ToolPlan: listed ones in the prompt, deferred ones callable once loaded."""
     if not body.tools:
         return None
@@ -188,7 +189,7 @@ def tool_plan(body: MessagesBase, processor: InputProcessor, chat_template: str 
         raise bad_request(f"tool_choice names {choice.name!r}, a deferred tool no tool_reference has loaded yet",
                           param="tool_choice.name")
     parallel = not (choice_param is not None and choice_param.disable_parallel_tool_use)
-    return ToolPlan(callable_, choice, parallel, processor.tool_rendering(chat_template), rendered=listed)
+    return ToolPlan(callable_, choice, parallel, processor.tool_rendering(chat_template, tool_parser), rendered=listed)
 
 
 def _final_prefill(body: MessagesBase) -> bool:
@@ -208,10 +209,11 @@ def _final_prefill(body: MessagesBase) -> bool:
 
 
 def render(body: MessagesBase, processor: InputProcessor, chat_template: str | None,
-           *, with_breakpoints: bool = True) -> RenderedMessages:
-    """The request's exact prompt ids, its tool plan and where its cache_control breakpoints fall."""
+           *, with_breakpoints: bool = True, tool_parser: str | None = None) -> RenderedMessages:
+    """The request's exact prompt ids, its tool plan and where its cache_control breakpoints fall
+    (`tool_parser`: --tool-call-parser)."""
     turns, loaded = conversation(body)
-    plan = tool_plan(body, processor, chat_template, loaded)
+    plan = tool_plan(body, processor, chat_template, loaded, tool_parser)
     tools = plan.template_tools() if plan is not None else None
     continuing = _final_prefill(body)
     fold = False
@@ -219,7 +221,8 @@ def render(body: MessagesBase, processor: InputProcessor, chat_template: str | N
     def text_of(conv: list[dict[str, Any]], final: bool) -> str:
         return processor.render_chat_text(fold_inline_system(conv) if fold else conv,
                                           add_generation_prompt=final and not continuing, chat_template=chat_template,
-                                          tools=tools, param="messages", continue_final_message=final and continuing)
+                                          tools=tools, param="messages", continue_final_message=final and continuing,
+                                          tool_parser=tool_parser)
 
     try:
         text = text_of(turns, True)

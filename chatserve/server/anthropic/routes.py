@@ -73,7 +73,8 @@ class MessagesAdapter(ServingAdapter):
 
     async def prepare(self, ctx: ServerContext) -> ServeSpec:
         body = self.body
-        rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template)  # off the loop
+        rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template,  # off the loop
+                                      tool_parser=ctx.settings.tool_call_parser)
         if len(rendered.ids) >= ctx.max_model_len:
             raise _too_long(len(rendered.ids), ctx.max_model_len)
         leases = [CacheLease(bp.position, bp.ttl_s) for bp in rendered.breakpoints]
@@ -204,7 +205,8 @@ async def count_tokens(request: Request) -> Response:
     ctx = get_context(request)
     body = await read_model(request, CountTokensRequest, ctx.settings)
     ctx.check_model(body.model)
-    rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template, with_breakpoints=False)
+    rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template, with_breakpoints=False,
+                                  tool_parser=ctx.settings.tool_call_parser)
     return JSONResponse({"input_tokens": len(rendered.ids)})
 
 

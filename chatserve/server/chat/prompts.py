@@ -53,12 +53,14 @@ def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], add_generat
                           param="messages")
     return ctx.engine.input_processor.render_chat(
         conversation(messages), add_generation_prompt=add_generation_prompt, chat_template=ctx.chat_template,
-        tools=plan.template_tools() if plan is not None else None, param="messages", **(template_kwargs or {}))
+        tools=plan.template_tools() if plan is not None else None, param="messages",
+        tool_parser=ctx.settings.tool_call_parser, **(template_kwargs or {}))
 
 
 def next_tool_turn_ids(processor: InputProcessor, history: list[int], messages: list[dict[str, Any]],
-                       eos_token_ids: Collection[int], plan: ToolPlan | None, chat_template: str | None) -> list[int]:
+                       eos_token_ids: Collection[int], plan: ToolPlan | None, chat_template: str | None,
+                       tool_parser: str | None = None) -> list[int]:
     """history (exactly as generated, tool calls included) + the new messages and the generation prompt."""
-    template = processor.tool_rendering(chat_template).chat_template
+    template = processor.tool_rendering(chat_template, tool_parser).chat_template
     kwargs: dict[str, Any] = {"tools": plan.template_tools()} if plan is not None and plan.template_tools() else {}
     return continue_history(processor.tokenizer, history, messages, eos_token_ids, chat_template=template, **kwargs)

@@ -73,7 +73,7 @@ class ToolChatFormat(ChatFormat):
     def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
         choice = super().whole_choice(acc, index)
         c = acc.choices[index]
-        parsed = parse_tool_calls(c.content, self.plan.format, [t.name for t in self.plan.choice.allowed(self.plan.tools)],
+        parsed = parse_tool_calls(c.content, self.plan.format, self.plan.callable_schemas(),
                                   truncated=c.finish_reason == "length")
         if parsed.tool_calls:
             choice["message"]["content"] = parsed.content

@@ -1,13 +1,15 @@
 """A chat request's tools: which may be called, how the prompt renders them, and how replies are read.
 
 `plan_tools` turns the validated `tools` / `tool_choice` / `parallel_tool_calls` into a `ToolPlan`
-(the template and call format come from the input processor's `tool_rendering`), and
+(the template and call format come from the input processor's `tool_rendering`: the template's own
+format, or the one --tool-call-parser forces), and
 `conversation` turns the request's messages into what chat templates expect: assistant calls as
 `tool_calls` with their arguments as objects, tool results as `role: "tool"` messages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,18 +48,24 @@ class ToolPlan:
             return [t.to_template() for t in self.rendered] or None
         return [t.to_template() for t in self.tools] if self.parses_calls and self.tools else None
 
-    def parser(self) -> ToolCallStreamParser:
-        return ToolCallStreamParser(self.format, [t.name for t in self.choice.allowed(self.tools)])
+    def callable_schemas(self) -> dict[str, dict[str, Any]]:
+        """The tools a reply may call, each with its arguments schema (qwen3_coder's parameters are typed by it)."""
+        return {t.name: t.arguments_schema for t in self.choice.allowed(self.tools)}
+
+    def parser(self, make_id: Callable[[], str] | None = None) -> ToolCallStreamParser:
+        """A stream parser of this plan's format; call ids are the format's unless `make_id` is given."""
+        return ToolCallStreamParser(self.format, self.callable_schemas(), make_id)
 
 
 def plan_tools(tools: list[ToolDefinition] | None, tool_choice: Any, parallel: bool, processor: InputProcessor,
-               chat_template: str | None) -> ToolPlan | None:
+               chat_template: str | None, tool_parser: str | None = None) -> ToolPlan | None:
+    """`tool_parser`: --tool-call-parser (None: the template's own format)."""
     if not tools:
         return None
     specs = [FunctionTool(t.function.name, t.function.description, t.function.parameters) for t in tools]
     choice = ToolChoice("named", tool_choice.function.name) if isinstance(tool_choice, NamedToolChoice) \
         else ToolChoice.from_openai(tool_choice)
-    return ToolPlan(specs, choice, parallel, processor.tool_rendering(chat_template))
+    return ToolPlan(specs, choice, parallel, processor.tool_rendering(chat_template, tool_parser))
 
 
 def _arguments_value(text: str) -> Any:

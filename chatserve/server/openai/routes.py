@@ -38,7 +38,7 @@ def chat_token_ids(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[lis
     """A chat body's prompt ids through the template, and its tool plan: the one rendering that the chat
     route and the render/tokenize routes (openai/tokens.py) share, so a router's view of our tokens cannot drift."""
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.engine.input_processor,
-                      ctx.chat_template)
+                      ctx.chat_template, ctx.settings.tool_call_parser)
     return chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan), plan
 
 

@@ -109,7 +109,7 @@ async def _prompt_ids(ctx: ServerContext, body: ResponsesRequest, plan: ToolPlan
     uses_tools = plan is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if uses_tools:
         ids = await ctx.off_loop(next_tool_turn_ids, engine.input_processor, history, messages, engine.eos_token_ids,
-                                 plan, ctx.chat_template)
+                                 plan, ctx.chat_template, ctx.settings.tool_call_parser)
     else:
         ids = await ctx.off_loop(continue_history, engine.tokenizer, history, messages, engine.eos_token_ids,
                                  chat_template=ctx.chat_template)
@@ -140,7 +140,7 @@ class ResponsesAdapter(ServingAdapter):
     async def prepare(self, ctx: ServerContext) -> ServeSpec:
         body = self.body
         plan = plan_tools(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls,
-                          ctx.engine.input_processor, ctx.chat_template)
+                          ctx.engine.input_processor, ctx.chat_template, ctx.settings.tool_call_parser)
         ids, instructions = await _prompt_ids(ctx, body, plan)
         return ServeSpec([ids], body.sampling_fields(), body.max_output_tokens, None, tools=plan,
                          extra={"instructions": instructions})

@@ -51,7 +51,8 @@ def next_turn_ids(tokenizer: Any, history: list[int], content: str, eos_token_id
 
 
 def first_tool_turn_ids(processor: InputProcessor, system_prompt: str | None, messages: list[dict[str, Any]],
-                        plan: ToolPlan | None, chat_template: str | None) -> list[int]:
+                        plan: ToolPlan | None, chat_template: str | None, tool_parser: str | None = None) -> list[int]:
     conversation = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + messages
     return processor.render_chat(conversation, add_generation_prompt=True, chat_template=chat_template,
-                                 tools=plan.template_tools() if plan is not None else None, param="content")
+                                 tools=plan.template_tools() if plan is not None else None, param="content",
+                                 tool_parser=tool_parser)

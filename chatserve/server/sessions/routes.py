@@ -137,9 +137,10 @@ async def post_message(request: Request) -> Response:
             new = new_messages(body)
             if history:
                 ids = next_tool_turn_ids(engine.input_processor, history, new, engine.eos_token_ids, tools,
-                                         ctx.chat_template)
+                                         ctx.chat_template, ctx.settings.tool_call_parser)
             else:
-                ids = first_tool_turn_ids(engine.input_processor, session.system_prompt, new, tools, ctx.chat_template)
+                ids = first_tool_turn_ids(engine.input_processor, session.system_prompt, new, tools, ctx.chat_template,
+                                          ctx.settings.tool_call_parser)
             return TurnPrompt(ids, stored_user_text(body))
         assert body.content is not None
         if history:
@@ -330,7 +331,7 @@ async def fork_session(request: Request) -> JSONResponse:
 
 def session_tool_plan(ctx: ServerContext, body: SessionMessageRequest) -> ToolPlan | None:
     return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.engine.input_processor,
-                      ctx.chat_template)
+                      ctx.chat_template, ctx.settings.tool_call_parser)
 
 
 def routes() -> list[Route]:

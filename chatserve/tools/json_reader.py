@@ -450,6 +450,8 @@ class JsonBlockReader(BlockReader):
             if cur.args_start is None:
                 cur.args_text = "{}"
             self._call_done(cur, end, out)
+        elif role == "calls":
+            self._consumed = end  # the list's "]": markup of the calls
         if not self._stack:
             self._top_done = True
 

@@ -166,3 +166,37 @@ def write_family_gguf(path: Path, name: str, model: Any, default_gguf: str, qtyp
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ---- chat templates with each family's tool-call syntax (issue 55) ---------------------------------------
+# tests/helpers/tool_templates/: written after the families' own templates (Llama 3.1's JSON tool calls as
+# vLLM's example has them, Mistral's v11 `[TOOL_CALLS]name[ARGS]` with its 9-alphanumeric id check, Mistral
+# v3's JSON list, Qwen3-Coder's XML, Llama 3.2's pythonic calls), for tiny random models with SmolLM2's tokenizer.
+TOOL_TEMPLATES = Path(__file__).resolve().parent / "tool_templates"
+
+
+def tool_template(name: str) -> str:
+    return (TOOL_TEMPLATES / f"{name}.jinja").read_text()
+
+
+TOOL_FAMILIES: dict[str, tuple[str, str]] = {
+    # --tool-call-parser name: (tiny architecture, template file)
+    "llama3_json": ("llama", "llama3.1_json"),
+    "mistral": ("mistral", "mistral_v11"),
+    "qwen3_coder": ("qwen3", "qwen3_coder"),
+    "pythonic": ("llama", "llama3.2_pythonic"),
+}
+
+
+def with_chat_template(checkpoint: Path, folder: Path, template: str) -> Path:
+    """A copy of a tiny checkpoint whose tokenizer carries `template` as its chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(checkpoint, folder, dirs_exist_ok=True)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return folder

@@ -44,7 +44,12 @@ def parameter_types(schema: Mapping[str, Any] | None, name: str) -> tuple[str, .
 
 
 def is_string_parameter(schema: Mapping[str, Any] | None, name: str) -> bool:
-    """Whether the value is text as written (streamed as it comes): a parameter whose only type is string."""
+    """Whether the value is text as written (streamed as it comes): a parameter whose only type is string and
+    whose values are not a fixed few (an enum's or const's value is one word, sent whole with no layout around it)."""
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    prop = props.get(name) if isinstance(props, Mapping) else None
+    if isinstance(prop, Mapping) and ("enum" in prop or "const" in prop):
+        return False
     return [t for t in parameter_types(schema, name) if t != "null"] == ["string"]
 
 

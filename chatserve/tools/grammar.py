@@ -50,6 +50,12 @@ def _schema(schema: dict[str, Any], style: str = "json") -> Format:
     return out
 
 
+def _qwen_xml(schema: dict[str, Any]) -> Format:
+    """The parameters as XML; whitespace runs between and around them at most one character (the layout
+    Qwen's template writes), so a value is never padded out by the model."""
+    return {**_schema(schema, "qwen_xml"), "max_whitespace_cnt": 1}
+
+
 def _const(text: str) -> Format:
     return {"type": "const_string", "value": text}
 
@@ -122,7 +128,7 @@ def _call_object_schema(tool: FunctionTool, key: str) -> dict[str, Any]:
 
 def spelling(fmt: ToolFormat, tools: list[FunctionTool]) -> Spelling:
     if fmt.syntax == "xml":
-        return Spelling([_tag(f"{fmt.opening}\n<function={t.name}>\n", _schema(t.arguments_schema, "qwen_xml"),
+        return Spelling([_tag(f"{fmt.opening}\n<function={t.name}>\n", _qwen_xml(t.arguments_schema),
                               f"</function>\n{fmt.closing}") for t in tools], "\n", [fmt.opening])
     if fmt.syntax == "pythonic":
         return Spelling([_python_call(t) for t in tools], ", ", [f"[{t.name}(" for t in tools], ("[", "]"))

@@ -15,8 +15,8 @@ A call starts at `<function=NAME>` when NAME is a tool of the request. Its argum
 object the parameters make: `{"city": "` as soon as `<parameter=city>` is read, then the value's
 characters as they are generated (one newline after the opening tag and one before the closing tag are
 the template's, not the value's, as in Qwen's template and vLLM's parser), then `"`; a parameter
-whose schema is not plain string (an integer, an object...) is sent whole once its `</parameter>`
-arrives, typed from the schema (`chatserve.tools.arguments.typed_value`). `</function>` closes the
+whose schema is not free text (an integer, an object, an enum...) is sent whole once its `</parameter>`
+arrives, without the whitespace around it, typed from the schema (`chatserve.tools.arguments.typed_value`). `</function>` closes the
 object. A block that is not such a call (no `<function=`, an unknown function) is text.
 """
 
@@ -203,5 +203,7 @@ class XmlBlockReader(BlockReader):
             rest = value[self._value_sent:]
             self.send(self._call, (escaped(rest) if rest else "") + '"', out)
             return
-        typed = typed_value(value, parameter_types(self._schema(), self._param))
+        # NOTE: the grammar (xgrammar's qwen_xml) takes whitespace around a value as layout, so a value that is not
+        # streamed text (a number, an enum's word, an object) is read without it
+        typed = typed_value(value.strip(), parameter_types(self._schema(), self._param))
         self.send(self._call, self._writer.key(self._param, False) + json_text(typed), out)

@@ -37,8 +37,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from chatserve import LLM, SamplingParams
-    from chatserve.engine.async_engine import AsyncLLMEngine
+    from chatserve import LLM, AsyncLLMEngine, SamplingParams
 
     llm = LLM(dtype=args.dtype, max_model_len=args.prompt_tokens + 64, max_num_batched_tokens=args.prompt_tokens + 64,
               num_threads=args.threads)

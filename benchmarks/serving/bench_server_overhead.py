@@ -42,7 +42,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def run_engine(engine, texts: list[str], max_tokens: int) -> tuple[int, float, list[float]]:
     from chatserve import SamplingParams
-    from chatserve.engine.input_processor import apply_chat_template
+    from chatserve.llm import apply_chat_template  # (re-exported there for scripts)
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind="delta")
     gaps: list[float] = []
@@ -66,8 +66,7 @@ async def run_engine(engine, texts: list[str], max_tokens: int) -> tuple[int, fl
 
 
 def engine_alone(args, threads: int | None) -> dict:
-    from chatserve import EngineArgs
-    from chatserve.engine.async_engine import AsyncLLMEngine
+    from chatserve import AsyncLLMEngine, EngineArgs
 
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(num_threads=threads, max_model_len=2048,
                                                         enable_prefix_caching=False))

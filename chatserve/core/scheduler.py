@@ -14,14 +14,39 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from chatserve.config import SchedulerConfig
 from chatserve.core.block_manager import BlockManager
 from chatserve.core.sequence import Sequence, SequenceStatus
 
-# (seq, draft token budget, number of decoding sequences) -> draft tokens to verify this step
-Proposer = Callable[[Sequence, int, int], list[int]]
+
+class Drafter(Protocol):
+    """Speculative decoding's bookkeeping (spec_decode.SpecProposer), handed in so that core does
+    not import it: drafts to verify, what a verification accepted, a sequence's end."""
+
+    def propose(self, seq: Sequence, budget: int, num_decoding: int) -> list[int]: ...
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None: ...
+
+    def finish(self, seq: Sequence) -> None: ...
+
+
+class SampledTokens(Protocol):
+    """What one sequence got from a forward pass (worker.spec_verify.SampledSeq): the tokens it keeps
+    (one; for a verification the accepted drafts plus one) and their logprobs."""
+
+    scheduled: ScheduledSeq
+    token_ids: list[int]
+    logprobs: list[Any]
+    num_accepted_drafts: int
+
+
+# Appends a sequence's sampled tokens (with their logprobs) up to the first that ends it, setting
+# seq.finish_reason then; returns how many it appended (the output processor's `append_tokens`).
+TokenSink = Callable[[Sequence, list[int], list[Any]], int]
 
 
 @dataclass
@@ -75,16 +100,29 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, proposer: Proposer | None = None) -> None:
+    """Owns the waiting and running queues and every sequence's progress through them: which tokens
+    each step computes (`schedule`), what a step's output changes (`update_from_output`: computed
+    tokens, blocks published to the prefix cache, windowed blocks freed, drafts kept or trimmed) and
+    a sequence's end (`finish`). Blocks come from the `BlockManager` it is handed."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, drafter: Drafter | None = None, *,
+                 kv_free_window: int = 0) -> None:
+        """``kv_free_window``: the attention window when every layer is windowed and the prefix cache is
+        off (0: none); blocks every window has passed go back to the pool each step."""
         self.config = config
         self.blocks = block_manager
-        # NOTE: speculative decoding's drafter (spec_decode.SpecProposer.propose), handed in so that
-        # core does not import it. Drafts only ever use blocks that are free: a guess never evicts a
-        # cached block nor preempts a sequence.
-        self.proposer = proposer
+        # NOTE: drafts only ever use blocks that are free: a guess never evicts a cached block nor
+        # preempts a sequence.
+        self.drafter = drafter
+        self.kv_free_window = kv_free_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefill_tokens_computed = 0
+        # what each step mixed (stats): prefill chunks that continue a prompt (a cache hit or an earlier
+        # chunk before them), steps that run decodes beside prefill chunks (chunked prefill at work)
+        self.num_prefill_chunks_continued = 0
+        self.num_mixed_steps = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -158,13 +196,58 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+        if out.scheduled:
+            self._count_layout(out.scheduled)
         return out
+
+    def _count_layout(self, scheduled: list[ScheduledSeq]) -> None:
+        prefills = [s for s in scheduled if not s.is_decode and not s.is_verify]
+        self.num_prefill_chunks_continued += sum(1 for s in prefills if s.seq.num_computed_tokens > 0)
+        if prefills and len(prefills) < len(scheduled):
+            self.num_mixed_steps += 1
+
+    def update_from_output(self, batch: SchedulerOutput, sampled: Seq[SampledTokens], append: TokenSink) -> list[Sequence]:
+        """Everything a finished forward pass changes: each scheduled chunk's tokens count as computed
+        and newly full blocks go to the prefix cache; each sampled sequence gets its tokens
+        (``append``, which stops at the first that ends it); a verification keeps the KV of its
+        accepted drafts only; sequences that ended leave (``finish``). Returns the sequences that got
+        tokens, in order."""
+        window = self.kv_free_window
+        for s in batch.scheduled:
+            if s.is_verify:
+                continue  # what it computed counts once the verification says which drafts stand
+            if not s.is_decode:
+                self.num_prefill_tokens_computed += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.blocks.publish(s.seq)  # returns at once unless a new full block was computed
+            if window:  # down to a 16-key tile: the C++ kernel reads a window's first tile whole
+                first = max(0, s.seq.num_computed_tokens - window + 1) // 16 * 16
+                self.blocks.free_out_of_window(s.seq, first)
+        updated: list[Sequence] = []
+        for out in sampled:
+            scheduled = out.scheduled
+            seq = scheduled.seq
+            computed_before = seq.num_computed_tokens
+            kept = append(seq, out.token_ids, out.logprobs)
+            if scheduled.draft_token_ids:
+                # The step wrote KV for the last token and every draft; only the last token and the
+                # kept drafts stand (a kept token is a draft unless it is the one sampled after them).
+                seq.num_computed_tokens = computed_before + 1 + min(out.num_accepted_drafts, kept)
+                if self.drafter is not None:
+                    self.drafter.record(seq, len(scheduled.draft_token_ids), out.num_accepted_drafts)
+                if seq.finish_reason is None:
+                    self.blocks.trim(seq)  # blocks that held only rejected drafts go free
+                    self.blocks.publish(seq)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+            updated.append(seq)
+        return updated
 
     def _drafts(self, seq: Sequence, budget: int, num_decoding: int) -> list[int]:
         """The proposer's drafts for a decoding seq, cut to the free blocks (allocated here)."""
-        if self.proposer is None or budget <= 0 or seq.num_output_tokens == 0:
+        if self.drafter is None or budget <= 0 or seq.num_output_tokens == 0:
             return []
-        drafts = self.proposer(seq, budget, num_decoding)
+        drafts = self.drafter.propose(seq, budget, num_decoding)
         if not drafts:
             return []
         bs = self.blocks.block_size
@@ -216,7 +299,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        """Remove a finished or aborted sequence wherever it is, free its blocks and drop its drafter state."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -226,3 +309,5 @@ class Scheduler:
                 pass
         self.blocks.release(seq, keep_in_cache=True, lease=True)
         seq.status = SequenceStatus.FINISHED
+        if self.drafter is not None:
+            self.drafter.finish(seq)

@@ -3,13 +3,50 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
 from chatserve.outputs import FinishReason, RequestStats, SampleLogprobs
 from chatserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class GrammarMatcher(Protocol):
+    """A structured-outputs grammar walked token by token (structured.SequenceMatcher): the output
+    processor accepts each sampled token, the sampler masks the next one and rolls drafts back."""
+
+    def accept(self, token_id: int) -> bool: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    @property
+    def is_terminated(self) -> bool: ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+
+class DetokenizerUpdate(Protocol):
+    @property
+    def stop_str(self) -> str | None: ...
+
+
+class Detokenizer(Protocol):
+    """A sequence's text, built token by token and cut at a stop string (engine.detokenizer)."""
+
+    def add_tokens(self, token_ids: Seq[int]) -> DetokenizerUpdate: ...
+
+    def flush(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def finished(self) -> bool: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -22,10 +59,12 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One generated continuation of a prompt (a request with n > 1 has n of them).
 
-    `token_ids` is prompt + output; `num_computed_tokens` of them have their K/V
-    in the blocks of `block_table`. After a preemption by recompute,
-    `num_computed_tokens` drops to what the prefix cache still holds and the
-    output is kept, so the request resumes where it was.
+    It owns its tokens (`token_ids`: prompt + output), its place in the KV pool (`block_table`,
+    the prefix-cache locks `cache_node` / `prefetch_node`) and its per-sequence generation state
+    (seeded `generator`, `grammar` matcher, `detokenizer`, logprobs); the request's `stats`
+    record it shares with its siblings. `num_computed_tokens` of the tokens have their K/V in the
+    blocks of `block_table`. After a preemption by recompute, `num_computed_tokens` drops to what
+    the prefix cache still holds and the output is kept, so the request resumes where it was.
     """
 
     seq_id: int
@@ -39,18 +78,18 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
-    cache_node: Any = None  # lock handle in the prefix cache
+    cache_node: object | None = None  # lock handle in the prefix cache (MatchResult.node)
     # NOTE: blocks loaded from the disk / Redis tiers for this sequence wait in the tree under this
     # lock until its first admission locks its own match (then this one is dropped), or it ends.
-    prefetch_node: Any = None
+    prefetch_node: object | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None  # why it ended with finish_reason "error"
-    generator: Any = None  # a torch.Generator for seeded sampling (core stays torch-free)
+    generator: torch.Generator | None = None  # for seeded sampling (a type only: core stays torch-free)
     # NOTE: a structured.SequenceMatcher once the request's grammar is compiled (None: unconstrained).
     # A constrained sequence reaches the scheduler only after that, so every scheduled one has it.
-    grammar: Any = None
-    detokenizer: Any = None
+    grammar: GrammarMatcher | None = None
+    detokenizer: Detokenizer | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
     # NOTE: one record per request, shared by its n sequences (the scheduler writes admission,

@@ -46,6 +46,7 @@ from chatserve.kv_offload import (
     block_keys,
 )
 from chatserve.kv_offload.tier import Tier
+from chatserve.worker.interface import KVBlockIO
 
 __all__ = ["KVTiering", "KVLookup"]
 
@@ -66,12 +67,11 @@ class KVLookup:
 class KVTiering:
     """Owns the store (tiers + writer) and the loader thread; is the tree's ``TierObserver``."""
 
-    def __init__(self, args: EngineArgs, fingerprint: KVFingerprint, payload_bytes: int, runner: Any) -> None:
+    def __init__(self, args: EngineArgs, fingerprint: KVFingerprint, payload_bytes: int, runner: KVBlockIO) -> None:
+        """``fingerprint``: everything that changes a block's bytes, the model's rotary tables included
+        (engine/builder.py); ``runner``: the worker's block copies in and out of the pool."""
         self.block_size = args.block_size
         self.policy = args.kv_offload_policy
-        # the model's rotary tables as resolved (theta, scaling, and max_model_len where they depend on it,
-        # as Phi-3's long-rope factors do): a block's keys are rotated by them, so they are in the fingerprint
-        fingerprint = fingerprint.with_rope(runner.model.rope_identity())
         self.fingerprint = fingerprint
         self.fp = fingerprint.digest
         self.runner = runner  # read_kv_blocks / write_kv_blocks (worker/kv_transfer.py)

@@ -18,6 +18,7 @@ from chatserve.models.config import ModelConfig
 from chatserve.models.loader import ModelSource, iter_weights
 from chatserve.models.registry import model_class_for
 from chatserve.models.weight_cache import WeightCacheConfig, load_weights_cached
+from chatserve.worker.interface import WorkerInfo
 from chatserve.worker.kv_pool import plan_kv_pool
 from chatserve.worker.kv_transfer import read_blocks, write_blocks
 from chatserve.worker.sampler import Sampler, row_is_greedy
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class StepInterrupted(Exception):
     """Raised between layers to stop a forward pass whose work nobody will read (every request in
-    it is being aborted). The step then counts for nothing: see LLMEngine.step."""
+    it is being aborted). The step then counts for nothing: see EngineCore.step."""
 
 
 _M = TypeVar("_M", bound=torch.nn.Module)
@@ -58,6 +59,11 @@ def _materialise(model: _M, device: torch.device) -> _M:
 
 
 class ModelRunner:
+    """The worker: owns the model's weights, the KV pool (`kv_cache`, `pool`) and the sampler, on the
+    device, dtype and layer ops it was built with (`worker/setup.py` chooses them); `execute` turns
+    one step's scheduled sequences into one forward pass and its sampled tokens. Implements
+    `worker.interface.Worker`, the whole of what the engine asks of it."""
+
     def __init__(
         self,
         source: ModelSource,
@@ -117,6 +123,24 @@ class ModelRunner:
         self._block_ready = bytearray(self.pool.num_blocks)  # 1 once a block has been zeroed or copied into
         self.sampler = Sampler()
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine; min_tokens holds these back
+        self._info: WorkerInfo | None = None
+
+    def info(self) -> WorkerInfo:
+        """What was chosen and built (fixed after load; computed once)."""
+        if self._info is None:
+            ops = self.ops
+            self._info = WorkerInfo(
+                device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
+                attention_backend=ops.attention.name, kernels=ops.describe(),
+                kernel_tier=ops.cpu.tier if ops.cpu is not None else None, linear_impl=str(self.linear_impl),
+                batch_invariant=ops.batch_invariant, load_seconds=self.load_seconds,
+                weight_cache_status=str(self.weight_cache.status),
+                plain_parameters=sum(p.numel() for p in self.model.parameters()),
+                sliding_windows=tuple(getattr(self.model, "windows", ())),
+                rope_identity=self.model.rope_identity(),
+                non_invariant_fallbacks=tuple(f.describe() for f in ops.fallbacks if not f.invariant),
+            )
+        return self._info
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:

@@ -55,6 +55,11 @@ class BlockCopy(NamedTuple):
 
 
 class BlockManager:
+    """Owns the KV block accounting of every sequence: the allocator's free list, the prefix cache
+    (radix tree) over it, each sequence's block table and prefix-cache locks, pending copy-on-write
+    copies of partially matching blocks, prefix and session leases, and the hit / miss counters.
+    Plain Python: the KV bytes themselves live in the worker's pool."""
+
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool, clock: Callable[[], float] = time.monotonic,
         kv_events: KVEventLog | None = None, tier_observer: TierObserver | None = None,

@@ -28,7 +28,6 @@ Triton's interpreter on CPU tensors (tests), otherwise they compile for CUDA.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -494,14 +493,8 @@ def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     return num_heads // num_kv_heads
 
 
-def interpret_requested() -> bool:
-    """TRITON_INTERPRET=1 (or true/on/yes) in the environment."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
-
-
 __all__ = [
     "choose_num_splits",
-    "interpret_requested",
     "is_interpreted",
     "paged_decode_attention",
     "paged_extend_attention",

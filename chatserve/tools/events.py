@@ -14,6 +14,7 @@ Its calls' indexes and ids come from the parser (`CallSink`), so they run on acr
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -76,7 +77,7 @@ class OpenCall:
     sent: list[str] = field(default_factory=list)
 
 
-class BlockReader:
+class BlockReader(ABC):
     """Reads one block of calls. `block` holds its text from the opening on; `scan` reads what is new
     and says whether the block is over (then `rest` is the text after it, to be read outside);
     `finish` ends a reply that stopped inside the block."""
@@ -89,11 +90,13 @@ class BlockReader:
         self._block_calls = 0  # calls started in this block
         self._consumed = 0  # the block's text up to here is accounted for by the calls sent
 
+    @abstractmethod
     def scan(self, out: list[StreamEvent]) -> bool:
-        raise NotImplementedError
+        """Read the block's new text, emitting events; True when the block is over (`rest` is set)."""
 
+    @abstractmethod
     def finish(self, truncated: bool, out: list[StreamEvent]) -> None:
-        raise NotImplementedError
+        """The reply ended inside the block (`truncated`: by max_tokens): end what started, release the rest."""
 
     # ---- calls ------------------------------------------------------------------------------------
     def start_call(self, name: str, out: list[StreamEvent]) -> OpenCall:

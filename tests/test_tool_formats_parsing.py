@@ -197,6 +197,8 @@ def test_each_formats_grammar_admits_exactly_well_formed_calls(smollm_tokenizer,
     assert not _accepts(smollm_tokenizer, required, "Sure, here you go.")
     assert _accepts(smollm_tokenizer, single, GOOD[name]) and not _accepts(smollm_tokenizer, single, TWO[name])
     assert not _accepts(smollm_tokenizer, named, GOOD[name]), "a named choice calls only that function"
+    if name == "qwen3_coder":  # a value never runs on past the tag that ends it
+        assert not _accepts(smollm_tokenizer, required, GOOD[name].replace("Oslo", "Oslo</parameter>\n<x"))
     assert _accepts(smollm_tokenizer, auto, "Just text, [1] and {braces}.", whole=False)
     assert _accepts(smollm_tokenizer, auto, "Let me look. " + GOOD[name], whole=False)
 

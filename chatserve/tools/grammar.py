@@ -52,8 +52,11 @@ def _schema(schema: dict[str, Any], style: str = "json") -> Format:
 
 def _qwen_xml(schema: dict[str, Any]) -> Format:
     """The parameters as XML; whitespace runs between and around them at most one character (the layout
-    Qwen's template writes), so a value is never padded out by the model."""
-    return {**_schema(schema, "qwen_xml"), "max_whitespace_cnt": 1}
+    Qwen's template writes), so a value is never padded out by the model; and no value holds the tags that
+    end it (xgrammar would otherwise let a string run on past a `</parameter>`, which every reader of the
+    format, ours and vLLM's, takes as the value's end)."""
+    return {**_schema(schema, "qwen_xml"), "max_whitespace_cnt": 1,
+            "excludes": ["</parameter>", "<parameter=", "</function>"]}
 
 
 def _const(text: str) -> Format:

@@ -60,6 +60,8 @@ RECORDED = [
     (QWEN3_CODER, "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                   "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
                   "</function>\n</tool_call> Done."),
+    (QWEN3_CODER, "Checking.<tool_call><function=get_weather><parameter=city>Paris</parameter><parameter=days>2"
+                  "</parameter></function></tool_call><tool_call><function=get_time></function></tool_call> Done."),
     (PYTHONIC, 'Checking. [get_weather(city="Paris", days=2), get_time()] Done.'),
     (HERMES, 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> Done.'),

@@ -189,7 +189,8 @@ class XmlBlockReader(BlockReader):
         if not final:
             if upto - self._mark < 1:
                 return  # the value's first character may be the template's newline
-            upto -= _held_suffix(self.block[self._mark:], "\n" + _END_PARAMETER)
+            written = self.block[self._mark:]  # the closing tag may come with or without the template's newline
+            upto -= max(_held_suffix(written, "\n" + _END_PARAMETER), _held_suffix(written, _END_PARAMETER))
         value = self._value_text(upto)
         if value[self._value_sent:]:
             self.send(self._call, escaped(value[self._value_sent:]), out)

@@ -12,6 +12,10 @@ default, its type and its help text live in one place and a new field gets its f
   variable: the values split at whitespace);
 - the default is `$CHATSERVE_<FIELD>` when set (parsed like the flag; a bad value is an error naming
   the variable), else the field's default; a flag on the command line wins over both.
+
+This module and `EngineArgs.from_env` are where the environment is read: the engine's fields that
+other variables fill ($TORCH_EXTENSIONS_DIR: --kernel-build-dir; $XDG_CACHE_HOME: --cache-dir) come
+from `EngineArgs.from_env` over the parsed flags (`engine_args_from`), and nothing below reads it again.
 """
 
 from __future__ import annotations
@@ -384,7 +388,14 @@ def options_from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def serve(args: argparse.Namespace) -> int:
+def engine_args_from(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> EngineArgs:
+    """The engine's options from the parsed flags, with the fields they leave unset (None) that other
+    variables fill taken from `environ` (`EngineArgs.from_env`: --kernel-build-dir from
+    $TORCH_EXTENSIONS_DIR, --cache-dir from $XDG_CACHE_HOME/chatserve)."""
+    return EngineArgs.from_env(environ, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def serve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     import uvicorn
 
     from chatserve.engine.async_engine import AsyncLLMEngine
@@ -397,7 +408,7 @@ def serve(args: argparse.Namespace) -> int:
         settings = options_from_args(ServerSettings, args)
         if settings.instance_id is None:
             settings = dataclasses.replace(settings, instance_id=f"{options.host}:{options.port}")
-        engine = AsyncLLMEngine.from_engine_args(options_from_args(EngineArgs, args))
+        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args, environ))
     except (ValueError, FileNotFoundError) as exc:
         print(f"chatserve: {exc}", file=sys.stderr)
         return 2
@@ -430,7 +441,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(f"chatserve: error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return serve(args)
+        return serve(args, environ)
     if args.command == "cluster":
         return cluster(args)
     if args.command == "bench":

@@ -1,14 +1,21 @@
-"""Typed configuration objects: what the model looks like and how the engine runs it."""
+"""Typed configuration objects: what the model looks like and how the engine runs it.
+
+The environment is read here and in the CLI only: `EngineArgs.from_env` turns the process-wide
+switches ($CHATSERVE_MAX_CPU_TIER, $CHATSERVE_LINEAR, $TORCH_EXTENSIONS_DIR, $CHATSERVE_CACHE_DIR,
+$XDG_CACHE_HOME) into fields, and everything below the engine gets them as arguments, so two engines
+with different settings can live in one process and tests need no environment.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from chatserve.kernels.tiers import TIER_CHOICES, max_tier
+from chatserve.kernels.tiers import TIER_CHOICES, TIERS, cpu_flags, tier_cap
 from chatserve.models.hf_overrides import parse_hf_overrides
 from chatserve.spec_decode.config import parse_speculative_config
 from chatserve.structured.config import DEFAULT_MAX_WHITESPACE, parse_structured_outputs_config
@@ -19,6 +26,7 @@ if TYPE_CHECKING:
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "none", "gguf", "int8"]
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "gguf", "int8")
+TierName = Literal["avx512_bf16", "avx512_vnni", "avx2_vnni", "avx2"]  # kernels/tiers.py TIERS, best first
 
 # Names of torch dtypes: this module imports no torch, so the CLI (`chatserve bench serve`,
 # `--help`) builds its flags from EngineArgs without the ~1 s of `import torch`.
@@ -33,7 +41,8 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: bool = False) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: bool = False,
+                  max_cpu_tier: str | None = None) -> torch.dtype:
     """'auto' is bfloat16 on GPUs, on CPUs with native bf16 dot products (AVX512-BF16 or AMX) and on
     CPUs whose kernel tier loaded (`cpu_kernels`: AVX2 or better, kernels/tiers.py); float32 on other CPUs.
 
@@ -42,13 +51,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: b
     traffic and runs the quantized and batch-invariant kernels. Without them torch widens every bf16
     matmul to float32 and back, so bf16 is slower, not faster (on an AVX2-only EPYC host a 600-token
     prefill took 4.5x as long in bf16 as in float32). Measured per tier: docs/quantization-and-kernels.md, "CPU kernel tiers".
+    `max_cpu_tier` (`EngineArgs.max_cpu_tier`) caps the tiers: below AVX512-BF16 there is no native bf16.
     """
     import torch
 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cpu" and not (cpu_kernels or cpu_has_native_bf16()):
+        if device.type == "cpu" and not (cpu_kernels or cpu_has_native_bf16(max_cpu_tier)):
             return torch.float32
         return torch.bfloat16
     try:
@@ -57,21 +67,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: b
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}") from None
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(max_cpu_tier: str | None = None) -> bool:
     """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (False where it cannot be read, or where
-    $CHATSERVE_MAX_CPU_TIER caps this process below the AVX512-BF16 tier)."""
-    cap = max_tier()
+    `max_cpu_tier` caps the engine below the AVX512-BF16 tier)."""
+    cap = tier_cap(max_cpu_tier)
     if cap is not None and cap.name != "avx512_bf16":
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split()
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    return False
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # With max_model_len set and no explicit KV pool size or budget, the default pool holds at least one
@@ -192,18 +195,33 @@ class EngineArgs:
     cpu_kernel_tier: str = field(default="auto", metadata={
         "help": "which compiled CPU kernels: auto (the best this CPU runs) or a tier to force, the same or lower: "
                 "avx512_bf16, avx512_vnni, avx2_vnni, avx2 (a tier the CPU lacks is an error)"})
+    max_cpu_tier: TierName | None = field(default=None, metadata={
+        "help": "the best CPU kernel tier this engine may use, as oneDNN's ONEDNN_MAX_CPU_ISA: avx512_bf16, "
+                "avx512_vnni, avx2_vnni or avx2; auto then picks the best tier up to it, and a forced tier above it "
+                "is an error (a fleet of mixed hosts capped at one tier answers bit for bit the same) (default: no cap)"})
     amx: bool = field(default=True, metadata={
         "help": "within the CPU kernels, Intel AMX tiles where the CPU has them (off: the AVX512-BF16 path)"})
+    linear: Literal["auto", "legacy"] = field(default="auto", metadata={
+        "help": "the bf16 matmul on a CPU kernel tier: auto (AMX tiles, else the batch-invariant packed kernel) "
+                "or legacy (the older AVX512-BF16 dot-product kernel up to 128 rows, oneDNN above; not "
+                "batch-invariant, kept to compare the two)"})
+    kernel_build_dir: str | None = field(default=None, metadata={
+        "help": "folder the C++ CPU kernels are compiled into and loaded from (default: $TORCH_EXTENSIONS_DIR, "
+                "else ~/.cache/torch_extensions/py<version>_cpu)"})
     weight_cache: bool = field(default=True, metadata={
         "help": "write the repacked weights (per kernel tier, quantization and dtype) once to a disk cache and "
                 "memory-map them read-only at later starts: no repacking, and replicas on one machine share the "
                 "pages (off: load and repack at every start, into private memory)"})
     weight_cache_dir: str | None = field(default=None, metadata={
-        "help": "folder of the repacked-weight cache, created if missing (default: repacked-weights/ beside the "
-                "GGUF metadata cache: $CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve or ~/.cache/chatserve)"})
+        "help": "folder of the repacked-weight cache, created if missing (default: repacked-weights/ in "
+                "--cache-dir)"})
     weight_cache_max_gb: float = field(default=20.0, metadata={
         "help": "most GiB the repacked-weight cache folder holds; after a write the least recently used entries "
                 "are removed until it fits (an entry larger than this is not written)"})
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "chatserve's cache folder: the converted GGUF metadata (gguf-metadata/, gguf-tokenizers/) and the "
+                "repacked weights (repacked-weights/, unless --weight-cache-dir) (default: $CHATSERVE_CACHE_DIR, "
+                "else $XDG_CACHE_HOME/chatserve, else ~/.cache/chatserve)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "model names clients send and see, space-separated: the first is the one replies report, "
                 "a request may name any of them, /v1/models lists each (default: from the model)",
@@ -281,6 +299,14 @@ class EngineArgs:
             raise ValueError(f"cpu_kernel_tier must be one of {', '.join(TIER_CHOICES)}; got {self.cpu_kernel_tier!r}")
         if self.cpu_kernel_tier != "auto" and not self.cpu_kernels:
             raise ValueError(f"cpu_kernel_tier={self.cpu_kernel_tier!r} asks for compiled kernels, but cpu_kernels is off")
+        if self.max_cpu_tier is not None and self.max_cpu_tier not in TIERS:
+            raise ValueError(f"max_cpu_tier must be one of {', '.join(TIERS)} (or unset: no cap); got {self.max_cpu_tier!r}")
+        if self.linear not in LINEAR_CHOICES:
+            raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}; got {self.linear!r}")
+        for name in ("kernel_build_dir", "cache_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a folder path (or unset for the default); got {value!r}")
         _check_weight_cache_dir(self.weight_cache, self.weight_cache_dir)
         gb = self.weight_cache_max_gb
         if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not (math.isfinite(gb) and gb > 0):
@@ -338,3 +364,61 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **values: Any) -> EngineArgs:
+        """`EngineArgs(**values)`, with each field of `ENVIRONMENT_FIELDS` that `values` leaves out (or
+        None) taken from `environ` (default: the process's environment) where its variable is set.
+
+        The one place below the CLI that reads the environment: `LLM(...)` and `chatserve` call it,
+        so `CHATSERVE_MAX_CPU_TIER=avx2 python app.py` still caps the kernels, while an engine built
+        from `EngineArgs(...)` is exactly what its fields say. A variable that does not parse is a
+        ValueError naming it.
+        """
+        env = os.environ if environ is None else environ
+        filled = dict(values)
+        for name, read in ENVIRONMENT_FIELDS.items():
+            if filled.get(name) is None:
+                value = read(env)
+                if value is not None:
+                    filled[name] = value
+        return cls(**filled)
+
+
+LINEAR_CHOICES: tuple[str, ...] = ("auto", "legacy")  # EngineArgs.linear (layers/linear.py has the same)
+
+
+def _max_cpu_tier_from(env: Mapping[str, str]) -> str | None:
+    name = env.get("CHATSERVE_MAX_CPU_TIER", "").strip()
+    if name and name not in TIERS:
+        raise ValueError(f"CHATSERVE_MAX_CPU_TIER must be one of {', '.join(TIERS)} (or unset: no cap); got {name!r}")
+    return name or None
+
+
+def _linear_from(env: Mapping[str, str]) -> str | None:
+    choice = env.get("CHATSERVE_LINEAR", "").strip().lower()
+    if choice and choice not in LINEAR_CHOICES:
+        raise ValueError(f"CHATSERVE_LINEAR must be unset, auto or legacy; got {choice!r}")
+    return choice or None
+
+
+def _kernel_build_dir_from(env: Mapping[str, str]) -> str | None:
+    return env.get("TORCH_EXTENSIONS_DIR") or None
+
+
+def _cache_dir_from(env: Mapping[str, str]) -> str | None:
+    """$CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve; None leaves the default (~/.cache/chatserve)."""
+    if env.get("CHATSERVE_CACHE_DIR"):
+        return env["CHATSERVE_CACHE_DIR"]
+    xdg = env.get("XDG_CACHE_HOME")
+    return str(Path(xdg) / "chatserve") if xdg else None
+
+
+# The fields `EngineArgs.from_env` fills from the environment, and how: the process-wide switches
+# documented in docs/quantization-and-kernels.md, read once at the edge instead of deep inside.
+ENVIRONMENT_FIELDS = {
+    "max_cpu_tier": _max_cpu_tier_from,
+    "linear": _linear_from,
+    "kernel_build_dir": _kernel_build_dir_from,
+    "cache_dir": _cache_dir_from,
+}

@@ -41,18 +41,31 @@ def pytest_sessionstart(session) -> None:
     from chatserve.kernels.cpu import load_cpu_kernels
     from chatserve.kernels.cpu_quant import load_quant_kernels
 
+    build_dir = PROCESS_ENGINE_ARGS.kernel_build_dir  # ($TORCH_EXTENSIONS_DIR), where the servers look
+
     def build(tier: str) -> None:
-        load_cpu_kernels(tier=tier)
-        load_quant_kernels(tier)  # the default model's GGUF blocks run on these (quantization "auto")
+        load_cpu_kernels(tier=tier, build_dir=build_dir)
+        load_quant_kernels(tier, build_dir)  # the default model's GGUF blocks run on these (quantization "auto")
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(KERNEL_TIERS), os.cpu_count() or 1))) as pool:
         list(pool.map(build, KERNEL_TIERS))
 
 
+def _process_engine_args():
+    """What this run's environment sets for every engine (`EngineArgs.from_env`): the tier cap
+    ($CHATSERVE_MAX_CPU_TIER: the suite run as an AVX2-only host would) and the kernels' folder."""
+    from chatserve.config import EngineArgs
+
+    return EngineArgs.from_env()
+
+
+PROCESS_ENGINE_ARGS = _process_engine_args()
+
+
 def _kernel_tiers() -> list[str]:
     from chatserve.kernels.tiers import tested_tiers
 
-    return [t.name for t in tested_tiers()]
+    return [t.name for t in tested_tiers(PROCESS_ENGINE_ARGS.max_cpu_tier)]
 
 
 # Every kernel tier this CPU runs, best first: the host's own and each lower one it can be forced to

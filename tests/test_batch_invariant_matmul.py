@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chatserve.config import EngineArgs
 from chatserve.kernels import tiers
 from chatserve.kernels.cpu import CpuKernels, PackedGemm, load_cpu_kernels
 from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
@@ -23,19 +24,23 @@ from chatserve.layers.linear import (
     select_linear_method,
 )
 
+from .conftest import PROCESS_ENGINE_ARGS
 from .helpers.tier_compile import compile_tier_object
+
+# this run's tier cap ($CHATSERVE_MAX_CPU_TIER, read at the edge by EngineArgs.from_env in conftest)
+CAP = PROCESS_ENGINE_ARGS.max_cpu_tier
 
 # every row count the blocking treats differently: register tiles of 1-6 rows (wider with fewer
 # rows), spread tails, the thread split switching from columns to rows at 64, row cache blocks
 ROW_COUNTS = [*range(1, 18), 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 1000, 1100]
 MAX_ROWS = max(ROW_COUNTS)
 # the hand-written AVX512-BF16 kernel, then each tier built from csrc/tier_gemm.cpp that this CPU runs
-GEMM_TIERS = ["avx512_bf16", *(t.name for t in tiers.tested_tiers() if t.tiered)]
+GEMM_TIERS = ["avx512_bf16", *(t.name for t in tiers.tested_tiers(CAP) if t.tiered)]
 
 
 def _bf16_kernels() -> CpuKernels | None:
-    # supported_tiers, not the raw flag: $CHATSERVE_MAX_CPU_TIER may cap this process below the tier
-    return load_cpu_kernels(amx=False, tier="avx512_bf16") if tiers.TIERS["avx512_bf16"] in tiers.supported_tiers() else None
+    # supported_tiers, not the raw flag: the run's cap may be below the tier
+    return load_cpu_kernels(amx=False, tier="avx512_bf16") if tiers.TIERS["avx512_bf16"] in tiers.supported_tiers(cap=CAP) else None
 
 
 def tiered_gemm(ext) -> PackedGemm:
@@ -52,7 +57,7 @@ def gemm_tier(request) -> str:
 @pytest.fixture(scope="module")
 def gemm(gemm_tier) -> PackedGemm:
     if gemm_tier == "avx512_bf16":
-        if tiers.TIERS["avx512_bf16"] not in tiers.supported_tiers():
+        if tiers.TIERS["avx512_bf16"] not in tiers.supported_tiers(cap=CAP):
             pytest.skip("no AVX512-BF16 CPU: the engine uses another tier")
         kernels = _bf16_kernels()
         if kernels is None or kernels.gemm is None:  # a CPU that has the tier: a failure, never a skip
@@ -81,7 +86,7 @@ def gemm_kernels(gemm_tier, gemm) -> CpuKernels:
 @pytest.fixture(scope="module")
 def bf16_kernels() -> CpuKernels:
     """The AVX512-BF16 tier's kernels (the older dot-product kernel it is compared with lives there only)."""
-    if tiers.TIERS["avx512_bf16"] not in tiers.supported_tiers():
+    if tiers.TIERS["avx512_bf16"] not in tiers.supported_tiers(cap=CAP):
         pytest.skip("no AVX512-BF16 CPU: the older kernel exists only there")
     kernels = _bf16_kernels()
     if kernels is None or kernels.gemm is None:
@@ -207,8 +212,7 @@ def test_packed_rows_give_back_the_exact_weight_rows(gemm, shape):
             gemm.rows(packed, torch.tensor([bad]), n, k)
 
 
-def test_linear_method_packs_once_and_serves_a_tied_embedding(gemm_kernels, monkeypatch):
-    monkeypatch.delenv("CHATSERVE_LINEAR", raising=False)
+def test_linear_method_packs_once_and_serves_a_tied_embedding(gemm_kernels):
     method = select_linear_method(torch.bfloat16, torch.device("cpu"), gemm_kernels)
     assert isinstance(method, PackedGemmLinearMethod) and "batch-invariant" in method.description
     torch.manual_seed(5)
@@ -230,13 +234,20 @@ def test_linear_method_packs_once_and_serves_a_tied_embedding(gemm_kernels, monk
     assert torch.equal(head(x.t().contiguous().t()), head(x))
 
 
-def test_legacy_switch_and_bad_values(bf16_kernels, monkeypatch):
+def test_legacy_switch_and_bad_values(bf16_kernels):
+    """linear="legacy" (EngineArgs.linear; $CHATSERVE_LINEAR=legacy through EngineArgs.from_env) picks
+    the older kernel; auto the packed one; anything else is refused naming the field, and the variable
+    at the edge."""
     kernels = bf16_kernels
-    monkeypatch.setenv("CHATSERVE_LINEAR", "legacy")
-    assert isinstance(select_linear_method(torch.bfloat16, torch.device("cpu"), kernels), GemvLinearMethod)
-    monkeypatch.setenv("CHATSERVE_LINEAR", "fast")
-    with pytest.raises(ValueError, match="CHATSERVE_LINEAR"):
-        select_linear_method(torch.bfloat16, torch.device("cpu"), kernels)
+    cpu = torch.device("cpu")
+    assert isinstance(select_linear_method(torch.bfloat16, cpu, kernels, "legacy"), GemvLinearMethod)
+    assert isinstance(select_linear_method(torch.bfloat16, cpu, kernels, "auto"), PackedGemmLinearMethod)
+    with pytest.raises(ValueError, match="linear must be one of auto, legacy; got 'fast'"):
+        select_linear_method(torch.bfloat16, cpu, kernels, "fast")
+    assert EngineArgs.from_env({"CHATSERVE_LINEAR": " Legacy "}).linear == "legacy"
+    assert EngineArgs.from_env({"CHATSERVE_LINEAR": "legacy"}, linear="auto").linear == "auto"  # explicit wins
+    with pytest.raises(ValueError, match="CHATSERVE_LINEAR must be unset, auto or legacy; got 'fast'"):
+        EngineArgs.from_env({"CHATSERVE_LINEAR": "fast"})
 
 
 def test_peak_probe_reports_a_rate(gemm):

@@ -16,7 +16,7 @@ from chatserve import config
     (False, False, "cuda", torch.bfloat16),
 ])
 def test_auto_dtype_follows_the_hardware(monkeypatch, native, kernels, device, expected):
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda cap=None: native)
     assert config.resolve_dtype("auto", torch.device(device), cpu_kernels=kernels) == expected
 
 
@@ -39,28 +39,54 @@ def test_kernel_tier_choices_are_checked():
         select_tier("avx512_vnni", avx2_only)
 
 
+ZEN4_LIKE = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"})
+
+
 def test_max_cpu_tier_caps_this_machines_tiers(monkeypatch):
-    """$CHATSERVE_MAX_CPU_TIER drops the tiers above it from this CPU's (auto then picks the cap or
-    lower; forcing one above it is an error naming the variable); explicit flags stay uncapped."""
+    """A cap (EngineArgs.max_cpu_tier, passed as `cap`) drops the tiers above it from this CPU's (auto
+    then picks the cap or lower; forcing one above it is an error naming the field); no cap, none dropped."""
     from chatserve.kernels import tiers
 
-    monkeypatch.delenv("CHATSERVE_MAX_CPU_TIER", raising=False)
-    monkeypatch.setattr(tiers, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                                                                "avx512dq", "avx512_vnni", "avx512_bf16"}))
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN4_LIKE)
     assert [t.name for t in tiers.supported_tiers()] == ["avx512_bf16", "avx512_vnni", "avx2"]
-    monkeypatch.setenv("CHATSERVE_MAX_CPU_TIER", "avx512_vnni")
-    assert [t.name for t in tiers.supported_tiers()] == ["avx512_vnni", "avx2"]
-    assert tiers.select_tier("auto").name == "avx512_vnni"
-    with pytest.raises(ValueError, match="above CHATSERVE_MAX_CPU_TIER='avx512_vnni'"):
-        tiers.select_tier("avx512_bf16")
-    assert tiers.select_tier("auto", tiers.cpu_flags()).name == "avx512_bf16"  # a hypothetical CPU: no cap
-    monkeypatch.setenv("CHATSERVE_MAX_CPU_TIER", "avx1")
+    assert [t.name for t in tiers.supported_tiers(cap="avx512_vnni")] == ["avx512_vnni", "avx2"]
+    assert [t.name for t in tiers.tested_tiers("avx2")] == ["avx2"]
+    assert tiers.select_tier("auto", cap="avx512_vnni").name == "avx512_vnni"
+    assert tiers.select_tier("avx2", cap="avx512_vnni").name == "avx2"  # below the cap: allowed
+    with pytest.raises(ValueError, match="cpu_kernel_tier='avx512_bf16' is above max_cpu_tier='avx512_vnni'"):
+        tiers.select_tier("avx512_bf16", cap="avx512_vnni")
+    assert tiers.select_tier("auto").name == "avx512_bf16"  # no cap
+    # a hypothetical CPU's flags with the same cap: the cap applies to it too
+    assert tiers.select_tier("auto", ZEN4_LIKE, cap="avx2").name == "avx2"
+    with pytest.raises(ValueError, match="max_cpu_tier must be one of"):
+        tiers.supported_tiers(cap="avx1")
+
+
+def test_max_cpu_tier_caps_native_bf16(monkeypatch):
+    """Below the AVX512-BF16 tier there is no native bf16 (dtype auto then follows the kernels alone)."""
+    monkeypatch.setattr(config, "cpu_flags", lambda: ZEN4_LIKE)
+    assert config.cpu_has_native_bf16() and config.cpu_has_native_bf16("avx512_bf16")
+    assert config.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    for cap in ("avx512_vnni", "avx2_vnni", "avx2"):
+        assert config.cpu_has_native_bf16(cap) is False
+        assert config.resolve_dtype("auto", torch.device("cpu"), max_cpu_tier=cap) == torch.float32
+
+
+def test_max_cpu_tier_field_and_its_variable_at_the_edge():
+    """EngineArgs.max_cpu_tier is checked naming the field; $CHATSERVE_MAX_CPU_TIER reaches it only
+    through EngineArgs.from_env (the CLI and LLM), checked naming the variable."""
+    with pytest.raises(ValueError, match="max_cpu_tier must be one of avx512_bf16, avx512_vnni, avx2_vnni, avx2"):
+        config.EngineArgs(max_cpu_tier="avx1")
+    assert config.EngineArgs().max_cpu_tier is None  # no environment read by the constructor
+    assert config.EngineArgs.from_env({"CHATSERVE_MAX_CPU_TIER": "avx2"}).max_cpu_tier == "avx2"
+    assert config.EngineArgs.from_env({"CHATSERVE_MAX_CPU_TIER": " "}).max_cpu_tier is None
+    assert config.EngineArgs.from_env({"CHATSERVE_MAX_CPU_TIER": "avx2"}, max_cpu_tier="avx512_vnni").max_cpu_tier == "avx512_vnni"
     with pytest.raises(ValueError, match="CHATSERVE_MAX_CPU_TIER must be one of"):
-        tiers.supported_tiers()
+        config.EngineArgs.from_env({"CHATSERVE_MAX_CPU_TIER": "avx1"})
 
 
 def test_explicit_dtypes_are_kept_and_unknown_ones_refused(monkeypatch):
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda cap=None: False)
     assert config.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert config.resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of"):

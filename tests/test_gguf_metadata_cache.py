@@ -43,8 +43,8 @@ def _parse_of_the_default_file_from(whole: dict, default_gguf, monkeypatch) -> N
 
 
 @pytest.fixture()
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def cache_dir(tmp_path) -> Path:
+    """The cache folder these tests pass to resolve_model (EngineArgs.cache_dir), not the run's."""
     return tmp_path / "cache"
 
 
@@ -52,7 +52,7 @@ def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path, m
                                                           default_gguf):
     from transformers import AutoConfig, AutoTokenizer
 
-    source = resolve_model(None)
+    source = resolve_model(None, cache_dir)
     with monkeypatch.context() as patch:  # both read transformers' one parse of the whole file
         _parse_of_the_default_file_from(whole_default_parse, default_gguf, patch)
         direct_config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
@@ -87,7 +87,7 @@ def test_converted_once_and_identical_to_reading_the_gguf(cache_dir, tmp_path, m
     copy = tmp_path / "copy.gguf"
     shutil.copyfile(Path(source.folder, source.gguf_file), copy)
     os.utime(copy, ns=(1, 1))
-    other = Path(gguf_metadata_folder(resolve_model(copy)))
+    other = Path(gguf_metadata_folder(resolve_model(copy, cache_dir)))
     assert other != folder and (other / "tokenizer_config.json").is_file()
     # ... and, its tokenizer being the first file's, without parsing it whole (gguf_skeleton.py):
     # the config from its skeleton, the tokenizer files copied; the folder is the first one's.
@@ -166,13 +166,13 @@ def test_a_known_tokenizer_is_copied_and_the_config_read_from_the_skeleton(cache
     moe = write_moe_gguf(tmp_path / "moe.gguf", write_tiny_moe(tmp_path / "moe", "qwen3_moe", smollm_tokenizer),
                          "qwen3_moe", str(default_gguf))
     parsed = _whole_parses(monkeypatch)
-    whole_a = Path(gguf_metadata_folder(resolve_model(a)))
+    whole_a = Path(gguf_metadata_folder(resolve_model(a, cache_dir)))
     assert parsed == ["skeleton"]  # a first conversion: transformers reads the skeleton, our reader the arrays
-    fast_b = Path(gguf_metadata_folder(resolve_model(b)))
+    fast_b = Path(gguf_metadata_folder(resolve_model(b, cache_dir)))
     assert parsed == ["skeleton"] * 2  # b: its skeleton only, for the config (the tokenizer is a's)
-    whole_moe = Path(gguf_metadata_folder(resolve_model(moe)))
+    whole_moe = Path(gguf_metadata_folder(resolve_model(moe, cache_dir)))
     os.utime(moe, ns=(2, 2))  # a new key for the same bytes: the second conversion reads the skeleton
-    fast_moe = Path(gguf_metadata_folder(resolve_model(moe)))
+    fast_moe = Path(gguf_metadata_folder(resolve_model(moe, cache_dir)))
     assert parsed == ["skeleton"] * 4  # never a whole file
     assert len(list(cache_dir.joinpath("gguf-tokenizers").iterdir())) == 2
     assert fast_moe != whole_moe and _files(fast_moe) == _files(whole_moe)
@@ -217,8 +217,7 @@ def test_an_unwritable_cache_falls_back_to_reading_the_gguf(tmp_path, monkeypatc
     (whose parse of the default file is the module's one, `whole_default_parse`)."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache folder would be")
-    monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(blocker))
-    source = resolve_model(None)
+    source = resolve_model(None, blocker)
     assert gguf_metadata_folder(source) is None
     _parse_of_the_default_file_from(whole_default_parse, default_gguf, monkeypatch)
     reads = _whole_parses(monkeypatch)

@@ -94,10 +94,12 @@ def test_the_session_built_kernels_from_staged_copies():
     from chatserve.kernels.build import CSRC
     from chatserve.kernels.tiers import TIERS, build_tier_module, tested_tiers
 
-    tiers = tested_tiers()
+    from .conftest import PROCESS_ENGINE_ARGS as run
+
+    tiers = tested_tiers(run.max_cpu_tier)
     if not tiers:
         pytest.skip("no kernel tier on this CPU")
-    module = build_tier_module(TIERS[tiers[-1].name])
+    module = build_tier_module(TIERS[tiers[-1].name], run.kernel_build_dir)
     if module is None:
         pytest.fail("the kernels of a tier this CPU runs could not be built")
     from pathlib import Path
@@ -130,11 +132,11 @@ def test_a_finished_build_is_imported_not_compiled_again(tmp_path, monkeypatch):
 
     from chatserve.kernels import build
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    root = build.build_root(tmp_path / "builds")  # EngineArgs.kernel_build_dir
     source = tmp_path / "tiny.cpp"
     source.write_text(_TINY_EXTENSION)
     build_once = build._build_cached.__wrapped__  # past the per-process cache: each call is a new process's
-    first = build_once("chatserve_test_tiny", (source,), (), ())
+    first = build_once("chatserve_test_tiny", (source,), (), (), root)
     assert first is not None and first.answer() == 42
     build_dir = Path(first.__file__).parent
     assert (build_dir / build.BUILT_MARKER).is_file()
@@ -146,19 +148,19 @@ def test_a_finished_build_is_imported_not_compiled_again(tmp_path, monkeypatch):
         raise RuntimeError("compiled again")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_again)
-    again = build_once("chatserve_test_tiny", (source,), (), ())
+    again = build_once("chatserve_test_tiny", (source,), (), (), root)
     assert again is not None and again.answer() == 42 and calls == []
 
     (build_dir / build.BUILT_MARKER).unlink()  # a folder an unfinished (or older) build left
-    assert build_once("chatserve_test_tiny", (source,), (), ()) is None and len(calls) == 1
+    assert build_once("chatserve_test_tiny", (source,), (), (), root) is None and len(calls) == 1
 
     # a marked folder whose library does not import (a damaged file): torch's `load` again. (Another
     # source, so another name: this process has the first library loaded, which a re-import reuses.)
     other = tmp_path / "other.cpp"
     other.write_text(_TINY_EXTENSION + "// another build\n")
     name = build.extension_name("chatserve_test_tiny", [*build.kernel_source_files(), other], [other], [], torch.__version__)
-    damaged = build.build_root() / name
+    damaged = root / name
     damaged.mkdir(parents=True)
     (damaged / f"{name}.so").write_bytes(b"not a shared library")
     (damaged / build.BUILT_MARKER).write_text(f"{name}\n")
-    assert build_once("chatserve_test_tiny", (other,), (), ()) is None and calls[-1] == name and len(calls) == 2
+    assert build_once("chatserve_test_tiny", (other,), (), (), root) is None and calls[-1] == name and len(calls) == 2

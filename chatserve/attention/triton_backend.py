@@ -34,30 +34,37 @@ class TritonAttentionMetadata:
     extend_max_query_len: int = 0  # sizes the grid without a device sync
 
 
-def load_triton_kernels(device: torch.device):
-    """The Triton kernel module, compiled for CUDA or interpreted on the CPU.
+def load_triton_kernels(device: torch.device, interpret: bool):
+    """The Triton kernel module, compiled for CUDA (`interpret` False) or run by Triton's interpreter
+    on CPU tensors (`interpret` True: the only way Triton runs on the CPU).
 
-    NOTE: Triton decides at decoration time (when the module is first imported) whether its
-    kernels compile or run in the interpreter, from TRITON_INTERPRET. On the CPU we set it
-    ourselves before that first import, so users choose the backend with `attention_backend`
-    alone; a module already imported compiled cannot be switched, and that is refused.
+    NOTE: the one environment write below the CLI, and a deliberate edge. Triton decides at
+    decoration time (when the module is first imported) whether its kernels compile or run in the
+    interpreter, and it reads that only from $TRITON_INTERPRET. The decision is ours, made from the
+    worker's configuration (`TritonAttentionBackend`: interpret exactly when the worker's device is
+    the CPU), and we write it into the environment just before that first import, so users choose
+    with `attention_backend` and `device` alone. A module already imported the other way cannot be
+    switched, and that is refused.
     """
     if importlib.util.find_spec("triton") is None:
         raise ValueError("attention_backend='triton' needs the triton package: pip install triton (Linux), "
                          "or use attention_backend='torch'")
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"attention_backend='triton' runs on CUDA devices (or the CPU interpreter), not {device.type!r}")
-    if device.type == "cpu" and _MODULE not in sys.modules:
+    if interpret != (device.type == "cpu"):
+        raise ValueError(f"Triton on {device.type} runs {'interpreted' if device.type == 'cpu' else 'compiled'}; "
+                         f"got interpret={interpret}")
+    if interpret and _MODULE not in sys.modules:
         logger.info("attention_backend='triton' on the CPU: Triton's interpreter (slow; meant for tests)")
-        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["TRITON_INTERPRET"] = "1"  # read by Triton at the import below, and only there
     import chatserve.kernels.triton_attention as tk
 
-    if device.type == "cpu" and not tk.is_interpreted():
+    if interpret and not tk.is_interpreted():
         raise ValueError(
             "attention_backend='triton' on the CPU needs Triton's interpreter, but the Triton kernels were "
             "already compiled for CUDA in this process; use attention_backend='torch' here"
         )
-    if device.type == "cuda" and tk.is_interpreted():
+    if not interpret and tk.is_interpreted():
         raise ValueError("the Triton kernels were built for the interpreter (TRITON_INTERPRET=1) in this process; "
                          "unset it to run them on CUDA")
     return tk
@@ -67,7 +74,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, device: torch.device) -> None:
-        self.kernels = load_triton_kernels(device)
+        # interpreted exactly on the CPU (the worker's device): Triton compiles only for GPUs
+        self.interpret = device.type == "cpu"
+        self.kernels = load_triton_kernels(device, interpret=self.interpret)
 
     def prepare(self, layout: BatchLayout, device: torch.device) -> TritonAttentionMetadata:
         def tensor(values: list[int]) -> torch.Tensor:

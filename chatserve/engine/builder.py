@@ -64,7 +64,7 @@ class EngineParts:
 
 def build_engine_parts(args: EngineArgs, *, clock: Callable[[], float] = time.monotonic) -> EngineParts:
     t0 = time.perf_counter()
-    source = resolve_model(args.model)
+    source = resolve_model(args.model, args.cache_dir)
     hf_config = load_hf_config(source, args.hf_overrides_dict)
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = load_tokenizer(source)

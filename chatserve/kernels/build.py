@@ -31,11 +31,13 @@ CSRC = Path(__file__).parent / "csrc"
 COMMON_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
 
-def build_root() -> Path:
-    """Where torch's cpp_extension would build (TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions/<py>_cpu)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return Path(root)
+def build_root(build_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder the extensions are built in: `build_dir` (`EngineArgs.kernel_build_dir`, which
+    `EngineArgs.from_env` fills from $TORCH_EXTENSIONS_DIR), else torch's own default,
+    ~/.cache/torch_extensions/py<major><minor>_cpu. We pass it to torch as `build_directory`, so
+    torch never looks for one itself and nothing here reads the environment."""
+    if build_dir:
+        return Path(build_dir).expanduser()
     return Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
 
 
@@ -133,7 +135,8 @@ def _import_built(name: str, build_dir: Path) -> ModuleType | None:
 
 
 @functools.cache
-def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: tuple[str, ...]) -> ModuleType | None:
+def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: tuple[str, ...],
+                  root: Path) -> ModuleType | None:
     try:
         import torch
     except ImportError as exc:
@@ -141,7 +144,7 @@ def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...
         return None
     files = list(dict.fromkeys([*kernel_source_files(), *sources, *headers]))
     name = extension_name(stem, files, sources, cflags, torch.__version__)
-    build_dir = build_root() / name
+    build_dir = root / name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with exclusive_build(build_dir):
@@ -163,7 +166,9 @@ def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...
         return None
 
 
-def build_extension(stem: str, sources: Sequence[Path], *, cflags: Sequence[str], headers: Sequence[Path] = ()) -> ModuleType | None:
-    """The compiled extension `stem` (built once per hash of sources, headers and flags, then
-    imported from the cache), or None with one log line when it cannot be built."""
-    return _build_cached(stem, tuple(sources), tuple(headers), tuple(cflags))
+def build_extension(stem: str, sources: Sequence[Path], *, cflags: Sequence[str], headers: Sequence[Path] = (),
+                    build_dir: str | os.PathLike[str] | None = None) -> ModuleType | None:
+    """The compiled extension `stem` (built once per hash of sources, headers and flags, under
+    `build_root(build_dir)`, then imported from there), or None with one log line when it cannot be
+    built. Cached per process and per build folder: two engines with different folders each get their own."""
+    return _build_cached(stem, tuple(sources), tuple(headers), tuple(cflags), build_root(build_dir))

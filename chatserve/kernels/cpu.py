@@ -4,7 +4,9 @@
 AVX512-BF16 ones (cpu_gemv.py) or the tiered sources over csrc/vec.h (tiered.py), checks each
 against torch on this machine (the `verify_*` functions below, shared by every tier), and returns
 them, or None (no AVX2, no compiler, a failed check: callers then use torch ops). The result is
-cached per (tier, amx): a second engine in the process neither rebuilds nor re-checks.
+cached per (tier, amx, build folder): a second engine in the process neither rebuilds nor re-checks.
+The tier cap and the build folder are arguments (`EngineArgs.max_cpu_tier`, `kernel_build_dir`),
+never read from the environment here.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
+from chatserve.kernels.build import build_root
 from chatserve.kernels.tiers import cpu_flags, select_tier
 
 logger = logging.getLogger(__name__)
@@ -85,65 +89,71 @@ class CpuKernels:
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
     rms_norm_f32w: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     softcap_: Callable[[torch.Tensor, float], None] | None = None
+    # the folder these were built in (kernels/build.py build_root), where the same tier's other
+    # extensions (the quantized matmul, the decoder-layer runner) are built and found too
+    build_dir: Path | None = None
 
 
-def load_cpu_kernels(amx: bool = True, tier: str = "auto") -> CpuKernels | None:
-    """The compiled kernels of `tier` ("auto": the best this CPU runs), verified on this machine, or
-    None where the CPU runs no tier (callers then use torch ops) or the build or a check failed.
+def load_cpu_kernels(amx: bool = True, tier: str = "auto", *, cap: str | None = None,
+                     build_dir: str | Path | None = None) -> CpuKernels | None:
+    """The compiled kernels of `tier` ("auto": the best this CPU runs up to `cap`, a tier name),
+    verified on this machine, or None where the CPU runs no tier (callers then use torch ops) or the
+    build or a check failed. `build_dir`: where the extensions are built (None: torch's default folder).
 
     amx=False leaves the AMX matmul out even where the CPU has tiles (the AVX512-BF16 path).
-    Forcing a tier the CPU lacks raises ValueError naming `cpu_kernel_tier`.
+    Forcing a tier the CPU lacks, or one above `cap`, raises ValueError naming the field.
     """
-    chosen = select_tier(tier)
+    chosen = select_tier(tier, cap=cap)
     if chosen is None:
         return None
-    return _load(chosen.name, amx and not chosen.tiered)
+    return _load(chosen.name, amx and not chosen.tiered, build_root(build_dir))
 
 
-# tier name -> why its kernels are unusable here (a failed build or self-check), for kernel_problem()
-_PROBLEMS: dict[str, str] = {}
+# (tier name, build folder) -> why its kernels are unusable there (a failed build or self-check), for kernel_problem()
+_PROBLEMS: dict[tuple[str, Path], str] = {}
 
 
-def kernel_problem(tier: str = "auto") -> str | None:
+def kernel_problem(tier: str = "auto", *, cap: str | None = None, build_dir: str | Path | None = None) -> str | None:
     """Why the kernels of `tier` (a tier this CPU runs) do not give the whole batch-invariant set,
     or None where they do: they failed to build or a self-check (load_cpu_kernels gave None), or the
     batch-invariant matmul failed its own check (the engine would then use oneDNN). For the test
     suite, where such a tier must fail, not skip, and for the engine's start-up log."""
-    kernels = load_cpu_kernels(tier=tier)
-    chosen = select_tier(tier)
+    kernels = load_cpu_kernels(tier=tier, cap=cap, build_dir=build_dir)
+    chosen = select_tier(tier, cap=cap)
     if chosen is None:
         return "this CPU runs no kernel tier (needs AVX2 + FMA + F16C)"
     if kernels is None:
-        return _PROBLEMS.get(chosen.name, f"the {chosen.name} kernels could not be built (see the log)")
+        return _PROBLEMS.get((chosen.name, build_root(build_dir)),
+                             f"the {chosen.name} kernels could not be built (see the log)")
     if kernels.gemm is None:
         return f"the {chosen.name} batch-invariant matmul failed its self-check (oneDNN would run instead)"
     return None
 
 
 @functools.cache
-def _load(tier: str, amx: bool) -> CpuKernels | None:
+def _load(tier: str, amx: bool, root: Path) -> CpuKernels | None:
     from chatserve.kernels.tiers import TIERS
 
     try:
         if TIERS[tier].tiered:
             from chatserve.kernels.tiered import build_tiered_cpu_kernels
 
-            kernels = build_tiered_cpu_kernels(TIERS[tier])
+            kernels = build_tiered_cpu_kernels(TIERS[tier], root)
         else:
             from chatserve.kernels.cpu_gemv import build_avx512_bf16_kernels
 
-            kernels = build_avx512_bf16_kernels(amx)
+            kernels = build_avx512_bf16_kernels(amx, root)
         if kernels is None:
-            _PROBLEMS[tier] = f"the {tier} kernels could not be built (no compiler? see the log)"
+            _PROBLEMS[tier, root] = f"the {tier} kernels could not be built (no compiler? see the log)"
             return None
         verify_rms_norm(kernels.rms_norm)
         verify_paged_attention(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
         verify_fused(kernels.silu_mul, kernels.rope_inplace, kernels.add_rms_norm)
         verify_gemma_ops(kernels)
-        return kernels
+        return replace(kernels, build_dir=root)
     except Exception as exc:  # wrong results or an unusual platform: the slower path still works
         logger.warning("%s CPU kernels unusable here (%s); using torch ops", tier, exc)
-        _PROBLEMS[tier] = f"the {tier} kernels failed their self-check: {exc}"
+        _PROBLEMS[tier, root] = f"the {tier} kernels failed their self-check: {exc}"
         return None
 
 

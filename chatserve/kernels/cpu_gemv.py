@@ -13,6 +13,7 @@ which checks what this module builds against torch before anything uses it.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -40,12 +41,13 @@ def _bf16_packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
     return ((n + 63) // 64, (k + 1) // 2, 64, 2)
 
 
-def build_avx512_bf16_kernels(amx: bool = True) -> CpuKernels | None:
-    """The AVX512-BF16 extension as `CpuKernels` (unchecked: kernels.cpu checks it), or None where
-    the CPU lacks AVX512-BF16 or the build failed. amx=False leaves the AMX matmul out."""
+def build_avx512_bf16_kernels(amx: bool = True, build_dir: Path | None = None) -> CpuKernels | None:
+    """The AVX512-BF16 extension (built under `build_dir`; None: torch's default folder) as
+    `CpuKernels` (unchecked: kernels.cpu checks it), or None where the CPU lacks AVX512-BF16 or the
+    build failed. amx=False leaves the AMX matmul out."""
     if not cpu_has_avx512_bf16():
         return None
-    ext = build_extension("chatserve_cpu_kernels", _SOURCES, cflags=_CFLAGS, headers=_HEADERS)
+    ext = build_extension("chatserve_cpu_kernels", _SOURCES, cflags=_CFLAGS, headers=_HEADERS, build_dir=build_dir)
     if ext is None:
         return None
     _check_gemv(ext.bf16_gemv)

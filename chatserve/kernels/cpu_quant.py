@@ -26,6 +26,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -67,24 +68,26 @@ class QuantKernels:
         return f"{self.tier} kernels, int8 activations"
 
 
-def load_quant_kernels(tier: str = "auto") -> QuantKernels | None:
-    """The compiled kernels of `tier` ("auto": the best this CPU runs), verified on this machine, or
+def load_quant_kernels(tier: str = "auto", build_dir: str | Path | None = None) -> QuantKernels | None:
+    """The compiled kernels of `tier` ("auto": the best this CPU runs), built under `build_dir` (the
+    bf16 kernels' folder, `CpuKernels.build_dir`; None: torch's default), verified on this machine, or
     None (no kernel tier on this CPU, no compiler, or a failed self-check: callers then de-quantise at
-    load). Built and checked once per tier per process. A tier the CPU lacks is a ValueError naming it."""
+    load). Built and checked once per tier and folder per process. A tier the CPU lacks is a ValueError naming it."""
     chosen = select_tier(tier)
-    return None if chosen is None else _load_tier(chosen.name)
+    return None if chosen is None else _load_tier(chosen.name, None if build_dir is None else Path(build_dir))
 
 
 @functools.cache
-def _load_tier(name: str) -> QuantKernels | None:
+def _load_tier(name: str, build_dir: Path | None) -> QuantKernels | None:
     tier = TIERS[name]
     if tier.tiered:
-        ext = build_tier_family("quant", tier)
+        ext = build_tier_family("quant", tier, build_dir)
     elif "avx512_vnni" not in cpu_flags():  # the tier's flags imply it on every CPU made; quant_gemm needs it
         logger.warning("quantized matmul kernels unavailable (no AVX512-VNNI); quantized weights are de-quantised at load")
         return None
     else:
-        ext = build_extension("chatserve_quant_kernels", [_AVX512_BF16_SOURCE], cflags=_AVX512_BF16_CFLAGS)
+        ext = build_extension("chatserve_quant_kernels", [_AVX512_BF16_SOURCE], cflags=_AVX512_BF16_CFLAGS,
+                              build_dir=build_dir)
     if ext is None:  # build.py logged why
         return None
     kernels = QuantKernels(pack=ext.quant_pack, pack_int8=ext.quant_pack_int8, linear=ext.quant_linear,

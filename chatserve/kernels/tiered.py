@@ -9,14 +9,17 @@ cannot tell the tiers apart: only their speed and the bits of their (per tier fi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from chatserve.kernels.cpu import CpuKernels, PackedGemm, checked_gemm
 from chatserve.kernels.tiers import KernelTier, build_tier_family
 
 
-def build_tiered_cpu_kernels(tier: KernelTier) -> CpuKernels | None:
-    """The tier's fused, matmul and attention extensions as `CpuKernels` (the matmul checked here,
-    the rest by kernels.cpu), or None where one of them could not be built."""
-    fused, gemm, attention = (build_tier_family(f, tier) for f in ("fused", "gemm", "attention"))
+def build_tiered_cpu_kernels(tier: KernelTier, build_dir: Path | None = None) -> CpuKernels | None:
+    """The tier's fused, matmul and attention extensions (built under `build_dir`; None: torch's
+    default folder) as `CpuKernels` (the matmul checked here, the rest by kernels.cpu), or None where
+    one of them could not be built."""
+    fused, gemm, attention = (build_tier_family(f, tier, build_dir) for f in ("fused", "gemm", "attention"))
     if fused is None or gemm is None or attention is None:
         return None
     packed = checked_gemm(PackedGemm(pack=gemm.gemm_pack, linear=gemm.gemm, rows=gemm.gemm_rows,

@@ -13,15 +13,18 @@ with. The tiers, best first:
   products from vpmaddubsw + vpmaddwd.
 
 A lower tier can be forced where the CPU supports it (`EngineArgs.cpu_kernel_tier`), so every tier a
-host can run is tested on it. Within a tier every kernel keeps one fixed reduction order per output
-element (batch invariance); results differ between tiers (a different lane count is a different
-order), so determinism is a promise per tier, not across tiers.
+host can run is tested on it; a cap (`EngineArgs.max_cpu_tier`, passed here as `cap`) leaves the tiers
+above it out of everything this module chooses. Nothing here reads the environment: the cap and the
+build folder arrive as arguments (`EngineArgs.from_env` is where $CHATSERVE_MAX_CPU_TIER is read).
+
+Within a tier every kernel keeps one fixed reduction order per output element (batch invariance);
+results differ between tiers (a different lane count is a different order), so determinism is a
+promise per tier, not across tiers.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -73,54 +76,52 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-MAX_TIER_ENV = "CHATSERVE_MAX_CPU_TIER"
-
-
-def max_tier() -> KernelTier | None:
-    """The best tier this process may use ($CHATSERVE_MAX_CPU_TIER, a tier name), or None: no cap.
+def tier_cap(name: str | None) -> KernelTier | None:
+    """The best tier a process may use (`EngineArgs.max_cpu_tier`, a tier name), or None: no cap.
 
     Why a cap, as oneDNN's ONEDNN_MAX_CPU_ISA: greedy output is bit-exact per tier, so a fleet of
     mixed hosts capped at one tier answers the same on every host; and a machine with AVX512 runs the
     whole suite as an AVX2-only host would (with ATEN_CPU_CAPABILITY=avx2 for torch's own kernels).
     """
-    name = os.environ.get(MAX_TIER_ENV, "").strip()
-    if not name:
+    if name is None:
         return None
     if name not in TIERS:
-        raise ValueError(f"{MAX_TIER_ENV} must be one of {', '.join(TIERS)}; got {name!r}")
+        raise ValueError(f"max_cpu_tier must be one of {', '.join(TIERS)}; got {name!r}")
     return TIERS[name]
 
 
-def supported_tiers(flags: frozenset[str] | None = None) -> list[KernelTier]:
-    """The tiers this CPU can run, best first (those above $CHATSERVE_MAX_CPU_TIER left out)."""
+def supported_tiers(flags: frozenset[str] | None = None, cap: str | None = None) -> list[KernelTier]:
+    """The tiers this CPU (or a hypothetical one with `flags`) can run, best first, those above `cap`
+    (a tier name, `EngineArgs.max_cpu_tier`) left out."""
     have = cpu_flags() if flags is None else flags
     tiers = [t for t in TIERS.values() if set(t.cpu_flags) <= have]
-    cap = max_tier() if flags is None else None  # explicit flags: a hypothetical CPU, uncapped
-    if cap is not None:
+    limit = tier_cap(cap)
+    if limit is not None:
         ranked = list(TIERS.values())
-        tiers = [t for t in tiers if ranked.index(t) >= ranked.index(cap)]
+        tiers = [t for t in tiers if ranked.index(t) >= ranked.index(limit)]
     return tiers
 
 
-def tested_tiers() -> list[KernelTier]:
-    """The tiers the test suite exercises on this host: every one it supports (auto's first, then
-    each lower one forced), so a lower tier is checked on any machine that can run it."""
-    return supported_tiers()
+def tested_tiers(cap: str | None = None) -> list[KernelTier]:
+    """The tiers the test suite exercises on this host: every one it supports up to `cap` (auto's
+    first, then each lower one forced), so a lower tier is checked on any machine that can run it."""
+    return supported_tiers(cap=cap)
 
 
-def select_tier(requested: str = "auto", flags: frozenset[str] | None = None) -> KernelTier | None:
-    """The tier to build for: the best the CPU runs (auto) or the one asked for; None where the CPU
-    runs none of them (no AVX2: torch ops). Asking for a tier the CPU lacks is an error naming the field."""
+def select_tier(requested: str = "auto", flags: frozenset[str] | None = None, cap: str | None = None) -> KernelTier | None:
+    """The tier to build for: the best the CPU runs up to `cap` (auto) or the one asked for; None
+    where the CPU runs none of them (no AVX2: torch ops). Asking for a tier the CPU lacks, or one above
+    the cap, is an error naming the field."""
     if requested not in TIER_CHOICES:
         raise ValueError(f"cpu_kernel_tier must be one of {', '.join(TIER_CHOICES)}; got {requested!r}")
-    supported = supported_tiers(flags)
+    supported = supported_tiers(flags, cap)
     if requested == "auto":
         return supported[0] if supported else None
     tier = TIERS[requested]
     if tier not in supported:
         missing = sorted(set(tier.cpu_flags) - (cpu_flags() if flags is None else flags))
         if not missing:
-            raise ValueError(f"cpu_kernel_tier={requested!r} is above {MAX_TIER_ENV}={os.environ.get(MAX_TIER_ENV)!r} "
+            raise ValueError(f"cpu_kernel_tier={requested!r} is above max_cpu_tier={cap!r} "
                              f"(allowed here: {', '.join(t.name for t in supported) or 'none'})")
         raise ValueError(f"cpu_kernel_tier={requested!r} needs CPU flags this machine lacks: {', '.join(missing)} "
                          f"(supported here: {', '.join(t.name for t in supported) or 'none'})")
@@ -131,23 +132,24 @@ def tier_source(family: str) -> Path:
     return CSRC / f"tier_{family}.cpp"
 
 
-@functools.cache
-def build_tier_module(tier: KernelTier) -> ModuleType | None:
+def build_tier_module(tier: KernelTier, build_dir: str | Path | None = None) -> ModuleType | None:
     """Every tiered family compiled for `tier` as one extension (csrc/tier_kernels.cpp: the family
     sources in one translation unit, plus the decoder-layer runner), cached per source, header and
     flag hash; None with one log line where it cannot be built. One extension, not one per family:
-    each extra translation unit re-parses torch's headers (~40 s on 2 cores)."""
+    each extra translation unit re-parses torch's headers (~40 s on 2 cores). `build_dir`: the
+    folder the builds live in (`EngineArgs.kernel_build_dir`; None: torch's default, kernels/build.py);
+    build.py caches the module per folder, so a second call is a dictionary lookup."""
     if not tier.tiered:
         raise ValueError(f"tier {tier.name} has its own kernel sources (kernels/cpu_gemv.py, cpu_quant.py)")
     return build_extension(f"chatserve_tier_{tier.name}", [CSRC / "tier_kernels.cpp"], cflags=tier.cflags,
-                           headers=[CSRC / "vec.h", *(tier_source(f) for f in TIERED_FAMILIES)])
+                           headers=[CSRC / "vec.h", *(tier_source(f) for f in TIERED_FAMILIES)], build_dir=build_dir)
 
 
-def build_tier_family(family: str, tier: KernelTier) -> ModuleType | None:
+def build_tier_family(family: str, tier: KernelTier, build_dir: str | Path | None = None) -> ModuleType | None:
     """The extension holding csrc/tier_<family>.cpp's functions for `tier` (build_tier_module's),
     or None where it cannot be built."""
     if not tier.tiered:
         raise ValueError(f"tier {tier.name} has its own kernel sources (kernels/cpu_gemv.py, cpu_quant.py)")
     if family not in TIERED_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; one of {', '.join(TIERED_FAMILIES)}")
-    return build_tier_module(tier)
+    return build_tier_module(tier, build_dir)

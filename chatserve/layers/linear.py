@@ -18,8 +18,8 @@ says how the loaded weight is stored (`process`) and how x @ W.T runs (`apply`).
   plus its lm_head (cold caches, Intel Xeon dev host), ms per forward of M rows, AMX vs our
   AVX512-BF16 kernel vs oneDNN (`F.linear`): M=1 13.6 / 12.2 / 27.0, M=8 13.8 / 17.8 / 27.2,
   M=32 14.8 / 53.7 / 29.9, M=128 33.1 / 190 / 49.0, M=1000 218 / - / 216 (BENCHMARKS.md).
-- **The older AVX512-BF16 kernel** (`GemvLinearMethod`, only with CHATSERVE_LINEAR=legacy, for
-  comparison) over plain weights up to KERNEL_MAX_ROWS rows, oneDNN above: a row rounds differently
+- **The older AVX512-BF16 kernel** (`GemvLinearMethod`, only with `EngineArgs.linear="legacy"`,
+  $CHATSERVE_LINEAR=legacy, for comparison) over plain weights up to KERNEL_MAX_ROWS rows, oneDNN above: a row rounds differently
   at every row count (not batch-invariant). Measured on the AMD EPYC dev host of earlier sessions:
   M=8 23.4 vs 11.7 (oneDNN vs ours), M=32 38.2 vs 28.4, M=128 99.8 vs 89.0, M=1000 689 vs 726.
 - **oneDNN-prepacked weights** (`OneDNNPackedLinearMethod`) when the kernels cannot be built.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chatserve.config import LINEAR_CHOICES
 from chatserve.kernels.cpu import MAX_GEMV_ROWS, CpuKernels, PackedGemm
 
 logger = logging.getLogger(__name__)
@@ -343,17 +343,15 @@ class PackedEmbedding(nn.Module):
         return self.rows(head.packed_weight, ids, head.out_features, head.in_features)
 
 
-LINEAR_ENV = "CHATSERVE_LINEAR"  # "legacy": the older kernel + oneDNN split, for comparison only
-
-
-def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethod:
+def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
+                         choice: str = "auto") -> LinearMethod:
     """The fastest bf16 matmul this CPU offers, with one copy of each weight: AMX tiles, else the
     batch-invariant kernel of the CPU's tier (AVX512-BF16, AVX512-VNNI or AVX2), else oneDNN-packed weights; plain F.linear for other dtypes
-    and devices. $CHATSERVE_LINEAR=legacy picks the older kernel + oneDNN split instead (on CPUs
-    without AMX; it is not batch-invariant), to compare the two."""
-    choice = os.environ.get(LINEAR_ENV, "").strip().lower()
-    if choice not in ("", "legacy"):
-        raise ValueError(f"${LINEAR_ENV} must be unset or 'legacy', got {choice!r}")
+    and devices. choice="legacy" (`EngineArgs.linear`) picks the older kernel + oneDNN split instead
+    (on CPUs without AMX; it is not batch-invariant), to compare the two; $CHATSERVE_LINEAR=legacy sets
+    it through `EngineArgs.from_env`."""
+    if choice not in LINEAR_CHOICES:
+        raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}; got {choice!r}")
     if device.type != "cpu" or dtype != torch.bfloat16:
         return TorchLinearMethod()
     if kernels is not None:

@@ -1,7 +1,9 @@
 """What a model's layers run, chosen once per engine before the model is built.
 
 The model runner picks these from `EngineArgs`, the device, the dtype and what the CPU offers
-(`select_layer_ops`), and every layer takes what it needs at construction. Nothing is swapped
+(`select_layer_ops`), and every layer takes what it needs at construction. The kernel tier's cap,
+the kernels' build folder and the matmul choice arrive as arguments (`EngineArgs.max_cpu_tier`,
+`kernel_build_dir`, `linear`): nothing here reads the environment. Nothing is swapped
 after load and no forward re-checks which kernel to use beyond the data (dtype, row count).
 
 `LayerOps` also knows whether the whole forward path is batch- and thread-invariant: the fallbacks
@@ -14,7 +16,6 @@ exactness claim reads; `log_fallbacks` says at start what falls back and why.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from chatserve.attention.base import AttentionBackend
 from chatserve.attention.cpu_backend import CpuPagedAttentionBackend
 from chatserve.kernels.cpu import CpuKernels, kernel_problem, load_cpu_kernels
 from chatserve.layers.fallbacks import Fallback
-from chatserve.layers.linear import LINEAR_ENV, LinearMethod, select_linear_method
+from chatserve.layers.linear import LinearMethod, select_linear_method
 from chatserve.layers.quantized_linear import QuantizedLinearMethod, select_quantization
 
 logger = logging.getLogger(__name__)
@@ -89,29 +90,33 @@ class LayerOps:
 def select_layer_ops(
     *, dtype: torch.dtype, device: torch.device, attention_backend: str, cpu_kernels: bool, amx: bool,
     head_dim: int, num_heads: int, num_kv_heads: int, quantization: str = "none", is_gguf: bool = False,
-    cpu_kernel_tier: str = "auto",
+    cpu_kernel_tier: str = "auto", max_cpu_tier: str | None = None, kernel_build_dir: str | None = None,
+    linear: str = "auto",
 ) -> LayerOps:
     """The C++ kernels where asked for and where they apply (a bf16 model on a CPU with a kernel
-    tier: AVX2 or better), the matmul method that goes with them, and the attention backend."""
+    tier: AVX2 or better, up to `max_cpu_tier`; built under `kernel_build_dir`), the matmul method that
+    goes with them (`linear`: auto or legacy, layers/linear.py), and the attention backend."""
     kernels = None
     if cpu_kernels and device.type == "cpu" and dtype == torch.bfloat16:
-        kernels = load_cpu_kernels(amx=amx, tier=cpu_kernel_tier)
+        kernels = load_cpu_kernels(amx=amx, tier=cpu_kernel_tier, cap=max_cpu_tier, build_dir=kernel_build_dir)
     attention = select_attention_backend(
         attention_backend, device, kernels=kernels if attention_backend != "triton" else None,
         head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
     )
     quant = select_quantization(quantization, is_gguf=is_gguf, dtype=dtype, device=device, kernels=kernels)
-    linear = quant.method or select_linear_method(dtype, device, kernels)
-    ops = LayerOps(linear=linear, attention=attention, cpu=kernels, gguf_qtypes=quant.keep_qtypes)
+    method = quant.method or select_linear_method(dtype, device, kernels, linear)
+    ops = LayerOps(linear=method, attention=attention, cpu=kernels, gguf_qtypes=quant.keep_qtypes)
     for fallback in _selection_fallbacks(ops, dtype=dtype, device=device, cpu_kernels=cpu_kernels,
-                                         attention_backend=attention_backend, head_dim=head_dim, tier=cpu_kernel_tier):
+                                         attention_backend=attention_backend, head_dim=head_dim, tier=cpu_kernel_tier,
+                                         max_cpu_tier=max_cpu_tier, kernel_build_dir=kernel_build_dir, linear=linear):
         ops.note(fallback)
     logger.info("%s", ops.describe())
     return ops
 
 
 def _selection_fallbacks(ops: LayerOps, *, dtype: torch.dtype, device: torch.device, cpu_kernels: bool,
-                         attention_backend: str, head_dim: int, tier: str) -> list[Fallback]:
+                         attention_backend: str, head_dim: int, tier: str, max_cpu_tier: str | None,
+                         kernel_build_dir: str | None, linear: str) -> list[Fallback]:
     """What runs outside the kernel tier by the choice of ops alone (before any layer is built)."""
     if ops.cpu is None:
         if device.type != "cpu":
@@ -121,20 +126,20 @@ def _selection_fallbacks(ops: LayerOps, *, dtype: torch.dtype, device: torch.dev
         elif not cpu_kernels:
             reason = "cpu_kernels=False: torch / oneDNN ops"
         else:
-            reason = f"{kernel_problem(tier)}: torch / oneDNN ops"
+            reason = f"{kernel_problem(tier, cap=max_cpu_tier, build_dir=kernel_build_dir)}: torch / oneDNN ops"
         return [Fallback("every layer", reason)]
     out = []
-    linear = ops.linear
-    if not getattr(linear, "batch_invariant", False):
-        if isinstance(linear, QuantizedLinearMethod) and getattr(linear.quant, "tier", None) is None:
+    method = ops.linear
+    if not getattr(method, "batch_invariant", False):
+        if isinstance(method, QuantizedLinearMethod) and getattr(method.quant, "tier", None) is None:
             cause = "the quantized kernels are unavailable"
         elif ops.cpu.gemm is None:
             cause = "the batch-invariant matmul failed its self-check"
-        elif os.environ.get(LINEAR_ENV, "").strip().lower() == "legacy":
-            cause = f"${LINEAR_ENV}=legacy"
+        elif linear == "legacy":
+            cause = "linear='legacy' ($CHATSERVE_LINEAR=legacy)"
         else:
             cause = "no batch-invariant matmul"
-        out.append(Fallback("matmul", f"{cause}: {linear.description}"))
+        out.append(Fallback("matmul", f"{cause}: {method.description}"))
     if not isinstance(ops.attention, CpuPagedAttentionBackend):
         if attention_backend != "auto":
             cause = f"attention_backend={attention_backend!r}"

@@ -23,6 +23,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -257,14 +258,14 @@ def model_weight_nbytes(model: nn.Module) -> int:
 # ---------------------------------------------------------------- choosing the mode and the kernels
 
 @functools.cache
-def load_compiled_quant_kernels(tier: str = "auto") -> Any | None:
-    """The compiled quantized kernels of `tier` (kernels/cpu_quant.py), or None where the module,
-    the CPU (a kernel tier: AVX2 or better) or the build is missing."""
+def load_compiled_quant_kernels(tier: str = "auto", build_dir: Path | None = None) -> Any | None:
+    """The compiled quantized kernels of `tier` (kernels/cpu_quant.py; built under `build_dir`, the bf16
+    kernels' folder), or None where the module, the CPU (a kernel tier: AVX2 or better) or the build is missing."""
     try:
         from chatserve.kernels.cpu_quant import load_quant_kernels
     except ImportError:
         return None
-    return load_quant_kernels(tier)
+    return load_quant_kernels(tier, build_dir)
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ def select_quantization(requested: str, *, is_gguf: bool, dtype: torch.dtype, de
             logger.info("GGUF weights de-quantised at load: %s", unfit)
             return NO_QUANTIZATION
         raise ValueError(f"quantization={requested!r} is not available here: {unfit}; use quantization='none'")
-    quant = load_compiled_quant_kernels(kernels.tier) if kernels is not None else None
+    quant = load_compiled_quant_kernels(kernels.tier, kernels.build_dir) if kernels is not None else None
     if quant is None and kernels is None and requested == "auto":
         logger.info("GGUF weights de-quantised at load: the C++ CPU kernels are off (cpu_kernels=False) or unavailable")
         return NO_QUANTIZATION

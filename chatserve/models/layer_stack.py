@@ -55,7 +55,7 @@ def build_layer_stack(model: LlamaFamilyForCausalLM) -> Any | None:
         return None  # the C++ runner calls plain attention over every key, full-width rotary
     if not isinstance(ops.attention, CpuPagedAttentionBackend):
         return None
-    module = build_tier_module(TIERS[ops.cpu.tier])
+    module = build_tier_module(TIERS[ops.cpu.tier], ops.cpu.build_dir)
     if module is None or ops.attention._attend is not module.paged_attention_bf16:
         return None
     stack = module.LayerStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5)

@@ -62,27 +62,33 @@ class ModelSource:
     folder: str
     gguf_file: str | None  # file name inside `folder`, or None for a HF safetensors folder
     name: str  # a short display / served name
+    # chatserve's cache folder (`EngineArgs.cache_dir`), where a GGUF's converted metadata is kept
+    # (`metadata_cache_root`); None: ~/.cache/chatserve
+    cache_dir: str | None = None
 
     @property
     def is_gguf(self) -> bool:
         return self.gguf_file is not None
 
 
-def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+def resolve_model(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> ModelSource:
+    """Where `model` (None: the default model) lives; `cache_dir` (`EngineArgs.cache_dir`) travels
+    with it to where its GGUF metadata is converted and kept."""
+    cache = None if cache_dir is None else str(cache_dir)
     if model is None:
         path = Path(default_model_path())
-        return ModelSource(str(path.parent), path.name, DEFAULT_MODEL_NAME)
+        return ModelSource(str(path.parent), path.name, DEFAULT_MODEL_NAME, cache)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a Hugging Face folder")
-        return ModelSource(str(path.parent), path.name, path.stem)
+        return ModelSource(str(path.parent), path.name, path.stem, cache)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return ModelSource(str(path), None, path.name)
+            return ModelSource(str(path), None, path.name, cache)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ModelSource(str(path), ggufs[0].name, ggufs[0].stem)
+            return ModelSource(str(path), ggufs[0].name, ggufs[0].stem, cache)
         raise ValueError(
             f"{path} has no config.json" + (f" and several .gguf files ({[g.name for g in ggufs]}); pass one" if ggufs else "")
         )
@@ -177,12 +183,13 @@ def saved_metadata_config(folder: str, hf_overrides: Mapping[str, Any] | None = 
 METADATA_FORMAT = 3
 
 
-def metadata_cache_root() -> Path:
-    """Where converted GGUF metadata is kept: $CHATSERVE_CACHE_DIR, else $XDG_CACHE_HOME/chatserve."""
-    explicit = os.environ.get("CHATSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chatserve"
+def metadata_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """chatserve's cache folder, where converted GGUF metadata is kept: `cache_dir` (`EngineArgs.cache_dir`,
+    which `EngineArgs.from_env` fills from $CHATSERVE_CACHE_DIR or $XDG_CACHE_HOME/chatserve), else
+    ~/.cache/chatserve."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    return Path.home() / ".cache" / "chatserve"
 
 
 @contextlib.contextmanager
@@ -247,7 +254,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     except OSError:
         return None  # let transformers report the missing file
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{METADATA_FORMAT}"
-    folder = metadata_cache_root() / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    folder = metadata_cache_root(source.cache_dir) / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return str(folder)
     try:
@@ -261,7 +268,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
             tok_id = f"{tokenizer_key(buf, header)}|{transformers.__version__}|{METADATA_FORMAT}"
     except (OSError, ValueError):
         return None  # not a GGUF we can read: let transformers report it
-    tokenizers = metadata_cache_root() / "gguf-tokenizers" / hashlib.sha256(tok_id.encode()).hexdigest()[:24]
+    tokenizers = metadata_cache_root(source.cache_dir) / "gguf-tokenizers" / hashlib.sha256(tok_id.encode()).hexdigest()[:24]
     try:
         if (tokenizers / "tokenizer_config.json").is_file():
             config, how = _skeleton_config(source, path, header), f"tokenizer copied from {tokenizers.name}"

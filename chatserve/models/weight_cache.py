@@ -94,20 +94,21 @@ class WeightCacheError(RuntimeError):
 
 @dataclass(frozen=True)
 class WeightCacheConfig:
-    """From `EngineArgs.weight_cache` / `weight_cache_dir`: whether to use the cache, and where."""
+    """From `EngineArgs.weight_cache` / `weight_cache_dir` / `cache_dir`: whether to use the cache, and where."""
 
     enabled: bool = True
-    directory: str | None = None  # None: beside the GGUF metadata cache (`default_cache_dir`)
+    directory: str | None = None  # None: repacked-weights/ in `cache_dir` (`default_cache_dir`)
     max_bytes: int = 20 * 2**30  # the folder's entries together; the least recently used go first
+    cache_dir: str | None = None  # chatserve's cache folder (`EngineArgs.cache_dir`); None: ~/.cache/chatserve
 
     def resolved_dir(self) -> Path:
-        return Path(self.directory).expanduser() if self.directory else default_cache_dir()
+        return Path(self.directory).expanduser() if self.directory else default_cache_dir(self.cache_dir)
 
 
-def default_cache_dir() -> Path:
-    """$CHATSERVE_CACHE_DIR/repacked-weights, else $XDG_CACHE_HOME (or ~/.cache)/chatserve/repacked-weights:
+def default_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """repacked-weights/ in chatserve's cache folder (`EngineArgs.cache_dir`, else ~/.cache/chatserve):
     beside the converted GGUF metadata (loader.gguf_metadata_folder)."""
-    return metadata_cache_root() / CACHE_SUBDIR
+    return metadata_cache_root(cache_dir) / CACHE_SUBDIR
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 The engine says *what* to run (a model, a KV pool, limits); this module decides *how* on this
 machine: CUDA or the CPU, bfloat16 or float32 (bfloat16 on a CPU only where a kernel tier loads:
 `config.resolve_dtype`), which compiled kernels, which matmul and attention. The engine never
-imports `kernels/` or `layers/`: it reads what was chosen from `ModelRunner.info()`.
+imports `kernels/` or `layers/`: it reads what was chosen from `ModelRunner.info()`. Every choice
+comes from the `WorkerConfig` it is handed (the tier cap, the kernels' build folder, the matmul and
+the cache folder included): nothing below here reads the environment.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ class WorkerConfig:
     attention_backend: str = "auto"
     cpu_kernels: bool = True
     cpu_kernel_tier: str = "auto"
+    max_cpu_tier: str | None = None  # the best kernel tier allowed (None: no cap)
     amx: bool = True
+    linear: str = "auto"  # the bf16 matmul on a kernel tier: auto or legacy (layers/linear.py)
+    kernel_build_dir: str | None = None  # where the C++ kernels are built (None: torch's default folder)
     quantization: str = "auto"
     num_threads: int | None = None  # torch compute threads (None: torch's default, all cores)
     weight_cache: WeightCacheConfig = WeightCacheConfig()
@@ -40,10 +45,11 @@ class WorkerConfig:
     def from_engine_args(cls, args: EngineArgs) -> WorkerConfig:
         return cls(
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-            cpu_kernels=args.cpu_kernels, cpu_kernel_tier=args.cpu_kernel_tier, amx=args.amx,
+            cpu_kernels=args.cpu_kernels, cpu_kernel_tier=args.cpu_kernel_tier, max_cpu_tier=args.max_cpu_tier,
+            amx=args.amx, linear=args.linear, kernel_build_dir=args.kernel_build_dir,
             quantization=args.quantization, num_threads=args.num_threads,
             weight_cache=WeightCacheConfig(args.weight_cache, args.weight_cache_dir,
-                                           int(args.weight_cache_max_gb * 2**30)),
+                                           int(args.weight_cache_max_gb * 2**30), cache_dir=args.cache_dir),
         )
 
 
@@ -58,7 +64,8 @@ def _cpu_kernels_load(config: WorkerConfig, device: torch.device) -> bool:
     which is what makes bfloat16 the fast dtype on a CPU; a forced tier the CPU lacks raises."""
     if device.type != "cpu" or not config.cpu_kernels or config.dtype not in ("auto", "bfloat16"):
         return False
-    return load_cpu_kernels(amx=config.amx, tier=config.cpu_kernel_tier) is not None
+    return load_cpu_kernels(amx=config.amx, tier=config.cpu_kernel_tier, cap=config.max_cpu_tier,
+                            build_dir=config.kernel_build_dir) is not None
 
 
 def resolve_placement(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
@@ -66,7 +73,8 @@ def resolve_placement(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device, cpu_kernels=_cpu_kernels_load(config, device))
+    dtype = resolve_dtype(config.dtype, device, cpu_kernels=_cpu_kernels_load(config, device),
+                          max_cpu_tier=config.max_cpu_tier)
     if config.cpu_kernel_tier != "auto" and (device.type != "cpu" or dtype != torch.bfloat16):
         raise ValueError(f"cpu_kernel_tier={config.cpu_kernel_tier!r} picks bfloat16 CPU kernels, but this engine runs "
                          f"{str(dtype).removeprefix('torch.')} on {device.type}; use dtype auto or bfloat16 on the CPU")
@@ -85,7 +93,8 @@ def build_model_runner(
         dtype=dtype, device=device, attention_backend=config.attention_backend,
         cpu_kernels=config.cpu_kernels, amx=config.amx, quantization=config.quantization, is_gguf=source.is_gguf,
         head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-        cpu_kernel_tier=config.cpu_kernel_tier,
+        cpu_kernel_tier=config.cpu_kernel_tier, max_cpu_tier=config.max_cpu_tier,
+        kernel_build_dir=config.kernel_build_dir, linear=config.linear,
     )
     return ModelRunner(source, hf_config, cfg, cache_config, dtype, device, max_model_len=max_model_len, ops=ops,
                        weight_cache=config.weight_cache)

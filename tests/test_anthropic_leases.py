@@ -41,7 +41,7 @@ def _engine(tiny: str, clock: Clock):
     from chatserve.engine.async_engine import AsyncLLMEngine
     from chatserve.engine.llm_engine import LLMEngine
 
-    args = EngineArgs(model=tiny, dtype="float32", block_size=BLOCK, num_kv_blocks=24, max_num_seqs=2, max_model_len=384)
+    args = EngineArgs.from_env(model=tiny, dtype="float32", block_size=BLOCK, num_kv_blocks=24, max_num_seqs=2, max_model_len=384)
     return AsyncLLMEngine(LLMEngine(args, clock=clock))
 
 

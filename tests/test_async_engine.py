@@ -43,7 +43,7 @@ def tiny(tmp_path_factory):
 
 def make_engine(tiny, **kwargs) -> AsyncLLMEngine:
     kwargs.setdefault("num_threads", 1)
-    return AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny), dtype="float32", **kwargs))
+    return AsyncLLMEngine.from_engine_args(EngineArgs.from_env(model=str(tiny), dtype="float32", **kwargs))
 
 
 async def collect(engine: AsyncLLMEngine, prompt, params, request_id=None) -> list:

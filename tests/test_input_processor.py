@@ -157,7 +157,7 @@ def test_async_generate_checks_once_and_exposes_what_the_server_needs(tiny):
     from chatserve import AsyncLLMEngine, EngineArgs, SamplingParams
 
     engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=str(tiny), dtype="float32", num_threads=1, max_model_len=64, served_model_name="tiny")
+        EngineArgs.from_env(model=str(tiny), dtype="float32", num_threads=1, max_model_len=64, served_model_name="tiny")
     )
     assert engine.input_processor is engine.engine.input_processor
     assert (engine.model_name, engine.max_model_len, engine.max_num_seqs) == ("tiny", 64, engine.engine.args.max_num_seqs)

@@ -294,8 +294,8 @@ def test_a_lookup_landing_during_the_last_idle_step_still_wakes_the_async_loop(t
 
     ids = _prompt(10)
     _written_and_closed(engines, tiny, tmp_path, ids)
-    aengine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny), block_size=BS, num_kv_blocks=64,
-                                                         max_num_seqs=4, kv_offload_dir=str(tmp_path)))
+    aengine = AsyncLLMEngine.from_engine_args(EngineArgs.from_env(model=str(tiny), block_size=BS, num_kv_blocks=64,
+                                                                  max_num_seqs=4, kv_offload_dir=str(tmp_path)))
     tiers = aengine.engine.kv_tiering
     assert tiers is not None
     land: list = []

@@ -44,8 +44,8 @@ def record_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[lis
 
 
 def test_long_prompt_is_chunked_and_no_decoding_stream_misses_a_step(tiny_checkpoint, monkeypatch) -> None:
-    engine = LLMEngine(EngineArgs(model=str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=128,
-                                  max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=CHUNK))
+    engine = LLMEngine(EngineArgs.from_env(model=str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=128,
+                                           max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=CHUNK))
     steps = record_steps(engine, monkeypatch)
     rng = random.Random(0)
     stream_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, output_kind="delta")

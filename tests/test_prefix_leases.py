@@ -229,7 +229,7 @@ def _engine(tiny: str, clock: FakeClock, **kw):
     from chatserve import EngineArgs
     from chatserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineArgs(model=tiny, dtype="float32", block_size=EBS, num_kv_blocks=24, max_num_seqs=2, **kw),
+    return LLMEngine(EngineArgs.from_env(model=tiny, dtype="float32", block_size=EBS, num_kv_blocks=24, max_num_seqs=2, **kw),
                      clock=clock)
 
 

@@ -465,7 +465,7 @@ def test_xgrammar_kernel_and_torch_fallback_agree_and_mask_the_padding(smollm_to
 
 
 def test_async_engine_checks_up_front_and_wakes_when_a_slow_grammar_is_ready(tiny, monkeypatch):
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny), dtype="float32", num_threads=1))
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_env(model=str(tiny), dtype="float32", num_threads=1))
     real = engine.engine.structured._compile_uncached
     compiled_specs: list[str] = []
 

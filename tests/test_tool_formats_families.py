@@ -53,9 +53,9 @@ def family_models(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
 async def _client(folder: Path) -> AsyncIterator[Any]:
     from chatserve import AsyncLLMEngine, EngineArgs
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", num_threads=1,
-                                                        max_model_len=512, block_size=16,
-                                                        served_model_name="tiny"))
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_env(model=str(folder), dtype="float32", num_threads=1,
+                                                                 max_model_len=512, block_size=16,
+                                                                 served_model_name="tiny"))
     try:
         async with app_client(engine, lifespan=True) as client:
             yield client

@@ -1,4 +1,4 @@
-"""The environment is read at the edges only (docs/DESIGN: configuration travels as explicit objects).
+"""The environment is read at the edges only (the design map: configuration travels as explicit objects).
 
 `EngineArgs.from_env` and the CLI turn $CHATSERVE_MAX_CPU_TIER, $CHATSERVE_LINEAR, $TORCH_EXTENSIONS_DIR,
 $CHATSERVE_CACHE_DIR and $XDG_CACHE_HOME into fields (`max_cpu_tier`, `linear`, `kernel_build_dir`,
@@ -70,7 +70,7 @@ def test_the_scan_sees_every_spelling():
 
 def test_only_the_edges_read_the_environment():
     """Every environment access in chatserve/ is at a named edge; a new one deep inside fails here
-    (pass the value in from EngineArgs instead: docs/DESIGN.md, configuration travels as objects)."""
+    (pass the value in from EngineArgs instead: configuration travels as explicit objects)."""
     deep = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE.parent).as_posix()

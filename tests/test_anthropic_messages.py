@@ -246,7 +246,7 @@ async def test_stream_framing_event_lines_ping_and_no_done(smollm_tokenizer) -> 
     assert text == REPLY
     delta = frames[-2][1]
     assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
-    assert delta["usage"]["output_tokens"] == len(engine.reply_ids)
+    assert delta["usage"]["output_tokens"] == len(engine.reply_ids) + 1  # (and the end token)
 
 
 async def test_keepalive_is_a_ping_event_and_the_cancel_endpoint_takes_the_message_id(smollm_tokenizer) -> None:

@@ -57,14 +57,15 @@ async def test_create_retrieve_input_items_delete(smollm_tokenizer) -> None:
                                              metadata={"k": "v"})
         assert resp.status == "completed" and resp.output_text == "Hello there, friend."
         assert resp.id.startswith("resp_") and resp.instructions == "Be brief." and resp.metadata == {"k": "v"}
-        assert resp.usage is not None and resp.usage.output_tokens == len(engine.reply_ids)
+        assert resp.usage is not None and resp.usage.output_tokens == len(engine.reply_ids) + 1  # (and the end token)
         assert resp.usage.input_tokens == engine.requests[0].prompt.num_tokens
         again = await client.responses.retrieve(resp.id)
         assert again.output_text == resp.output_text and again.status == "completed"
         items = await client.responses.input_items.list(resp.id)
         assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Say hello"
         tokens = await store.get_token_ids(resp.id)
-        assert tokens == engine.requests[0].prompt.prompt_token_ids + engine.reply_ids
+        end = smollm_tokenizer.eos_token_id  # generated last, kept with the reply for the next turn
+        assert tokens == engine.requests[0].prompt.prompt_token_ids + engine.reply_ids + [end]
         deleted = await http.delete(f"/v1/responses/{resp.id}")
         assert deleted.status_code == 200 and deleted.json()["deleted"] is True
         for path in (f"/v1/responses/{resp.id}", f"/v1/responses/{resp.id}/input_items"):

@@ -200,8 +200,9 @@ async def test_chat_reply_shape_usage_and_n(engine) -> None:
     for c in body["choices"]:
         assert c["message"] == {"role": "assistant", "content": REPLY, "refusal": None}
         assert c["finish_reason"] == "stop"
-        assert "".join(t["token"] for t in c["logprobs"]["content"]) == REPLY
-    n_reply = len(engine.reply_ids)
+        *reply, end = c["logprobs"]["content"]  # the end token is generated too, with its logprob
+        assert "".join(t["token"] for t in reply) == REPLY and end["token"] == "<|im_end|>"
+    n_reply = len(engine.reply_ids) + 1
     (req,) = engine.requests
     assert body["usage"] == {"prompt_tokens": req.prompt.num_tokens, "completion_tokens": 2 * n_reply,
                              "total_tokens": req.prompt.num_tokens + 2 * n_reply,
@@ -229,8 +230,9 @@ async def test_chat_stream_framing_without_and_with_usage(engine) -> None:
     got = chunks(sse(with_usage))
     *body, last = got
     assert all(c["usage"] is None for c in body)
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(engine.reply_ids)
-    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + len(engine.reply_ids)
+    n_reply = len(engine.reply_ids) + 1  # (and the end token)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == n_reply
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + n_reply
 
 
 async def test_completions_echo_several_prompts_and_length(engine) -> None:
@@ -319,9 +321,10 @@ async def test_cancel_a_running_request_then_again_and_a_finished_one(smollm_tok
         metrics = await client.get("/metrics")
     state = cancelled.json()
     assert cancelled.status_code == 200
+    held = engine.requests[0].prompt.num_tokens + 1  # the prompt and the first token, in whole blocks
     assert state == {"id": "r1", "object": "request.state", "status": "aborted", "finish_reason": "abort",
                      "state_when_cancelled": "decoding", "completion_tokens": 1, "cached_prompt_tokens": 0,
-                     "blocks_freed": 1}
+                     "blocks_freed": -(-held // engine.block_size)}
     assert again.status_code == 200 and again.json() == state  # idempotent: the final state from history
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "abort"
     assert reply.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(engine.reply_ids[:1])

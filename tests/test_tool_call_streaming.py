@@ -317,9 +317,11 @@ def test_any_text_parses_without_losing_text_and_independently_of_chunking(text,
 
 
 # ---- the three APIs' streams ------------------------------------------------------------------------------
-WEATHER_OPENAI = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME_OPENAI = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+# (the schemas take the reply's arguments: the tools' grammar runs, and a model can only say what it allows)
+WEATHER_OPENAI = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}}
+TIME_OPENAI = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
 REPLY = 'Checking. <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, ' \
         '{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]</tool_call>'
 ARGS = [{"city": "Paris", "unit": "celsius"}, {"zone": "Europe/Paris"}]
@@ -391,8 +393,8 @@ async def test_openai_chat_stream_sends_id_and_name_first_then_argument_pieces(s
 async def test_anthropic_stream_sends_input_json_deltas_as_generated(smollm_tokenizer) -> None:
     import anthropic
 
-    tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
-             {"name": "get_time", "input_schema": {"type": "object"}}]
+    tools = [{"name": "get_weather", "input_schema": WEATHER_OPENAI["function"]["parameters"]},
+             {"name": "get_time", "input_schema": TIME_OPENAI["function"]["parameters"]}]
     import httpx2  # (the anthropic SDK's own httpx)
 
     engine = FakeEngine(smollm_tokenizer, reply=REPLY, max_model_len=2048)

@@ -1,8 +1,10 @@
 """Builds an engine's parts from `EngineArgs`: the model's files, the worker, the KV tiers and events,
 the block manager, the scheduler (with its drafter) and the grammar service.
 
-`LLMEngine` hands these to `EngineCore`; a test may build an `EngineCore` from its own parts instead
-(a fake worker, a small block manager) without any of this.
+`LLMEngine` hands these to `EngineCore`. `build_engine_parts` loads the model and builds its worker,
+then `assemble_engine_parts` builds everything around a worker; a test calls the second alone with a
+worker of its own (tests/helpers/fake_runner.py: a scripted one, no model) and hands the parts to
+`LLMEngine(args, parts=...)`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from chatserve.models.loader import ModelSource, eos_token_ids, load_hf_config, 
 from chatserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from chatserve.spec_decode.proposer import SpecProposer, make_proposer
 from chatserve.structured import GrammarCompilerService, StructuredOutputsConfig, parse_structured_outputs_config
-from chatserve.worker.interface import WorkerInfo
-from chatserve.worker.model_runner import ModelRunner
+from chatserve.worker.interface import Worker, WorkerInfo
 from chatserve.worker.setup import WorkerConfig, build_model_runner
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class EngineParts:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     served_model_name: str
-    runner: ModelRunner
+    runner: Worker  # a ModelRunner, or a test's fake
     max_model_len: int
     max_model_len_note: str  # why max_model_len is below the model's ("" if it is not)
     kv_free_window: int
@@ -74,8 +75,22 @@ def build_engine_parts(args: EngineArgs, *, clock: Callable[[], float] = time.mo
     warn_past_context(cfg, max_len)
     # (with max_model_len set and no KV budget, a pool that holds it)
     runner = build_model_runner(WorkerConfig.from_engine_args(args), source, hf_config, cfg, args.cache_config(), max_len)
-    info = runner.info()
     logger.info("weight cache: %s", runner.weight_cache.describe())
+    return assemble_engine_parts(args, source=source, hf_config=hf_config, model_config=cfg, tokenizer=tokenizer,
+                                 eos_token_ids=eos, runner=runner, max_model_len=max_len, clock=clock, started=t0)
+
+
+def assemble_engine_parts(
+    args: EngineArgs, *, source: ModelSource, hf_config: Any, model_config: ModelConfig, tokenizer: Any,
+    eos_token_ids: frozenset[int], runner: Worker, max_model_len: int,
+    clock: Callable[[], float] = time.monotonic, started: float | None = None,
+) -> EngineParts:
+    """The parts around a worker that is built already (its KV pool sized): the limits it allows, the
+    KV events and tiers, the block manager, the scheduler and the grammar service, all from ``args``.
+    ``started``: when loading began (perf_counter), for ``load_seconds``; None: now."""
+    t0 = time.perf_counter() if started is None else started
+    cfg, eos, max_len = model_config, eos_token_ids, max_model_len
+    info = runner.info()
     runner.eos_token_ids = tuple(eos)
     # every layer windowed (Phi-3, Mistral): blocks the windows have passed go back to the pool
     # each step (without the prefix cache: with it they are the cached prefix; see docs/architecture.md)

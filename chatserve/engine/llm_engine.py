@@ -18,7 +18,7 @@ from chatserve.config import EngineArgs
 from chatserve.core.cache_lease import CacheLease, check_cache_leases, check_cache_salt
 from chatserve.core.sequence import Sequence, SequenceStatus
 from chatserve.core.session_kv import SessionKV
-from chatserve.engine.builder import build_engine_parts
+from chatserve.engine.builder import EngineParts, build_engine_parts
 from chatserve.engine.core import EngineCore
 from chatserve.engine.detokenizer import IncrementalDetokenizer
 from chatserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptError
@@ -43,11 +43,14 @@ class LLMEngine(EngineCore):
     a request's sequences (`add_request`), the cache options' checks, and the reports on what it holds
     (`stats`, `info`, `describe_request`, `session_cache_report`)."""
 
-    def __init__(self, args: EngineArgs, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: the seconds KV leases expire on (sessions' and prompt prefixes'); tests pass a fake one."""
+    def __init__(self, args: EngineArgs, *, clock: Callable[[], float] = time.monotonic,
+                 parts: EngineParts | None = None) -> None:
+        """``clock``: the seconds KV leases expire on (sessions' and prompt prefixes'); tests pass a fake one.
+        ``parts``: built already around a worker (`assemble_engine_parts`; a test's scripted worker, with
+        ``clock`` given to it); None: the model in ``args`` is loaded."""
         self.args = args
         self.clock = clock
-        parts = build_engine_parts(args, clock=clock)
+        parts = parts if parts is not None else build_engine_parts(args, clock=clock)
         self.source, self.hf_config, self.model_config = parts.source, parts.hf_config, parts.model_config
         self.tokenizer, self.eos_token_ids = parts.tokenizer, parts.eos_token_ids
         self.served_model_name = parts.served_model_name

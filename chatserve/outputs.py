@@ -34,6 +34,12 @@ class CompletionOutput:
     error: str | None = None  # set with finish_reason "error": what went wrong, for the user
     # LLM.chat(..., tools=[...]): the calls parsed from `text` (chatserve.tools.ToolCall); None without tools
     tool_calls: list[Any] | None = None
+    # A reasoning model's thinking (SamplingParams.reasoning set): the text between its markers, with
+    # the same cumulative/delta/final_only semantics as `text` (which then holds only the answer);
+    # None when the request has no reasoning parser.
+    reasoning: str | None = None
+    # the tokens spent reasoning, the markers included (usage's reasoning_tokens)
+    num_reasoning_tokens: int = 0
 
     @property
     def finished(self) -> bool:

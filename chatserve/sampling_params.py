@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from chatserve.reasoning.config import ReasoningConfig
+
 OutputKind = Literal["cumulative", "delta", "final_only"]
 
 # Bounds that OpenAI documents; vLLM uses the same ones.
@@ -212,6 +214,9 @@ class SamplingParams:
     # NOTE: a per-request opt-out of speculative decoding (when the engine has a speculative_config);
     # the output is the same either way, only the speed differs.
     speculative_decoding: bool = True
+    # A reasoning model's split and budget (chatserve.reasoning): the engine puts the reasoning in
+    # CompletionOutput.reasoning, the answer alone in text, and forces the end marker at the budget.
+    reasoning: ReasoningConfig | None = None
     # stop_token_ids as a set, so the per-token check is O(1) (kept in step by __post_init__ and clone)
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -297,6 +302,9 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputsParams or None, got {type(self.structured_outputs).__name__}"
             )
+
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningConfig):
+            raise ValueError(f"reasoning must be a ReasoningConfig or None, got {type(self.reasoning).__name__}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -593,22 +593,10 @@ async def test_every_api_renders_its_prompt_off_the_event_loop(engine, monkeypat
 
 
 # ---- grammar compiles: a time limit, cancelled when nobody waits, counted by the queue limit -----------------
-class CompilingEngine(FakeEngine):
-    """FakeEngine whose grammar check is the real engine's: the real compiler service (xgrammar on the real
-    tokenizer) and AsyncLLMEngine.check_structured_outputs over it."""
-
-    def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
-        from chatserve.structured.compiler import GrammarCompilerService
-
-        super().__init__(tokenizer, **kwargs)
-        self.structured = GrammarCompilerService(tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_workers=1)
-
-    async def check_structured_outputs(self, params: Any, timeout_s: float | None = None) -> None:
-        from types import SimpleNamespace
-
-        from chatserve.engine.async_engine import AsyncLLMEngine
-
-        await AsyncLLMEngine.check_structured_outputs(SimpleNamespace(engine=self), params, timeout_s)  # type: ignore[arg-type]
+def compiling_engine(tokenizer: Any, **kwargs: Any) -> FakeEngine:
+    """A FakeEngine (the real engine's grammar check and compiler service) compiling on one thread, so one
+    slow compile keeps the next one queued."""
+    return FakeEngine(tokenizer, grammar_compile_threads=1, **kwargs)
 
 
 def _blocking_compiles(service: Any, monkeypatch: Any, match: str) -> tuple[threading.Event, list[str]]:
@@ -627,7 +615,7 @@ def _blocking_compiles(service: Any, monkeypatch: Any, match: str) -> tuple[thre
 
 
 async def test_a_grammar_that_compiles_too_long_is_400_naming_the_field(smollm_tokenizer, monkeypatch) -> None:
-    engine = CompilingEngine(smollm_tokenizer, max_model_len=1024)
+    engine = compiling_engine(smollm_tokenizer, max_model_len=1024)
     release, _ = _blocking_compiles(engine.structured, monkeypatch, "slow")
     try:
         async with app_client(engine, grammar_compile_timeout_s=0.2) as client:
@@ -653,22 +641,18 @@ async def test_a_grammar_that_compiles_too_long_is_400_naming_the_field(smollm_t
 
 
 async def test_a_queued_compile_nobody_waits_for_is_cancelled(smollm_tokenizer, monkeypatch) -> None:
-    from types import SimpleNamespace
-
-    from chatserve.engine.async_engine import AsyncLLMEngine
     from chatserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-    engine = CompilingEngine(smollm_tokenizer)
+    engine = compiling_engine(smollm_tokenizer)
     service = engine.structured
     release, compiled = _blocking_compiles(service, monkeypatch, "blocker")
-    shim = SimpleNamespace(engine=engine)
     try:
-        blocker = asyncio.ensure_future(AsyncLLMEngine.check_structured_outputs(
-            shim, SamplingParams(structured_outputs=StructuredOutputsParams(regex="blocker")), None))  # type: ignore[arg-type]
+        blocker = asyncio.ensure_future(engine.check_structured_outputs(
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="blocker"))))
         while not compiled:
             await asyncio.sleep(0.001)
-        waiting = asyncio.ensure_future(AsyncLLMEngine.check_structured_outputs(
-            shim, SamplingParams(structured_outputs=StructuredOutputsParams(regex="queued-[0-9]")), None))  # type: ignore[arg-type]
+        waiting = asyncio.ensure_future(engine.check_structured_outputs(
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="queued-[0-9]"))))
         while service.pending() < 2:
             await asyncio.sleep(0.001)
         waiting.cancel()  # its client left

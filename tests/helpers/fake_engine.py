@@ -29,6 +29,7 @@ from chatserve.engine.kv_event_publisher import KVEventsConfig
 from chatserve.engine.request_record import RequestMetrics, RequestRecord
 from chatserve.outputs import RequestOutput
 from chatserve.sampling_params import SamplingParams
+from chatserve.structured import GrammarCompilerService
 
 from .fake_runner import ScriptedWorker, scripted_engine
 
@@ -119,6 +120,11 @@ class FakeEngine(AsyncLLMEngine):
         self.worker.kill()
         if not self.loop_state()["step_in_flight"] and self.is_healthy():
             self._loop.fail(RuntimeError("the scripted worker was killed by the test"))
+
+    @property
+    def structured(self) -> GrammarCompilerService:
+        """The engine's grammar service (the real one)."""
+        return self.engine.structured
 
     @property
     def kv_events_config(self) -> KVEventsConfig | None:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from chatserve.engine.async_engine import AsyncLLMEngine
+from chatserve.reasoning import detect_reasoning_parser, reasoning_parser_named
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.errors import APIError
 from chatserve.server.metrics import ServerMetrics
@@ -56,6 +57,13 @@ class ServerContext:
     preparing: int = 0  # requests admitted and not yet handed to the engine (rendering, tokenizing, compiling)
     prep_workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=PREP_THREADS, thread_name_prefix="chatserve-prep"))
+    reasoning_parser: str | None = field(init=False, default=None)
+    """The reasoning parser replies are split by (--reasoning-parser, else found from the chat template's
+    markers), resolved once here; None: the model does not reason, as far as the server knows."""
+
+    def __post_init__(self) -> None:
+        self.reasoning_parser = resolve_reasoning_parser(
+            self.settings.reasoning_parser, self.chat_template or getattr(self.engine.tokenizer, "chat_template", None))
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on the pre-engine worker threads, so synchronous work on a request's
@@ -128,6 +136,17 @@ class ServerContext:
                 code="queue_full",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             )
+
+
+def resolve_reasoning_parser(flag: str | None, chat_template: str | None) -> str | None:
+    """--reasoning-parser's value: a name forces that parser on any template, `none` turns parsing off,
+    unset finds the family from the template the server renders with (its own or --chat-template's)."""
+    if flag == "none":
+        return None
+    if flag is not None:
+        reasoning_parser_named(flag)  # (ServerSettings refused an unknown name already; this keeps both in step)
+        return flag
+    return detect_reasoning_parser(chat_template if isinstance(chat_template, str) else None)
 
 
 def get_context(request: Request) -> ServerContext:

@@ -6,6 +6,7 @@ walk the same sequence, and it lives here only:
     check the model  ->  the API's own limits and stream policy (`admit`)  ->  capacity
     ->  the API's prompt builder (`prepare`: render, tokenize, tools, session lock, ...)
     ->  the prompt checks and the reply's budget  ->  sampling parameters  ->  fit max_tokens
+    ->  the reasoning config (`ReasoningRequest`: the server's parser, the API's effort fields, the prompt)
     ->  the output constraint (compiled before anything is queued)  ->  `Generation`
     ->  the API's output format (`respond`: SSE events or one body)
 
@@ -36,6 +37,7 @@ from starlette.responses import Response
 from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
 from chatserve.engine.input_processor import ProcessedPrompt, PromptError
+from chatserve.reasoning import ReasoningConfig, reasoning_config_for
 from chatserve.sampling_params import SamplingParams
 from chatserve.server.chat.generation import Generation
 from chatserve.server.chat.params import build_sampling_params, cap_max_tokens
@@ -76,6 +78,56 @@ class FieldNames:
         return exc
 
 
+@dataclass(frozen=True)
+class ReasoningRequest:
+    """What one request asks of the model's reasoning, in the budget table's terms (chatserve/reasoning/budget.py).
+
+    Every adapter of an API that can carry reasoning sets one (all None: the template's and the model's
+    default); the pipeline turns it into the engine's `ReasoningConfig` against the server's parser
+    (`ctx.reasoning_parser`) and the rendered prompt (`starts_in_reasoning`: does it end in the opening
+    marker), in `reasoning_config`.
+    """
+
+    effort: str | None = None
+    """OpenAI `reasoning_effort` / Responses `reasoning.effort` / Messages `output_config.effort`."""
+    budget_tokens: int | None = None
+    """Messages `thinking.budget_tokens`."""
+    enable_thinking: bool | None = None
+    """`chat_template_kwargs.enable_thinking` (the template already rendered with it)."""
+    api: str = "openai"
+    """Whose effort names `effort` uses ("openai", "responses" or "messages": budget.budget_for_effort)."""
+    param: str = "reasoning_effort"
+    """The field an error about it names."""
+
+    def asks_to_reason(self) -> bool:
+        """Whether the request asks for reasoning a model without a parser cannot give ("none": it does not)."""
+        return self.effort not in (None, "none") or bool(self.budget_tokens)
+
+
+PROMPT_TAIL_TOKENS = 16
+"""How many of the prompt's last tokens are decoded to see whether it ends inside an open reasoning block."""
+
+
+def reasoning_config(ctx: ServerContext, asked: ReasoningRequest | None, prompt_ids: list[int]) -> ReasoningConfig | None:
+    """The engine's reasoning config for one request: None when the server has no parser (then asking to
+    reason is a 400 naming the field: the model does not reason unless --reasoning-parser forces a parser)."""
+    if asked is None:
+        return None
+    if ctx.reasoning_parser is None:
+        if asked.asks_to_reason():
+            raise APIError(400, f"this server does not support {asked.param} (this model does not reason: its chat "
+                                f"template shows no reasoning markers; start the server with --reasoning-parser "
+                                f"to force one); leave {asked.param} out or send null",
+                           param=asked.param, code="unsupported_field")
+        return None
+    tail = ctx.engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    try:
+        return reasoning_config_for(ctx.reasoning_parser, tail, effort=asked.effort, budget_tokens=asked.budget_tokens,
+                                    enable_thinking=asked.enable_thinking, api=asked.api)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=asked.param) from None
+
+
 @dataclass
 class ServeSpec:
     """What one request asks the engine for, whichever API it came through: the pipeline's one request form."""
@@ -95,6 +147,8 @@ class ServeSpec:
     session: SessionKV | None = None
     cache_leases: list[CacheLease] = field(default_factory=list)
     """Prefixes of the prompt to keep cached after the request (`cache_control`, `prompt_cache_key`)."""
+    reasoning: ReasoningRequest | None = None
+    """What the request asks of the model's reasoning; None: an API that does not reason (text completions)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What the adapter's `respond` needs from `prepare` (its own values; the pipeline never reads them)."""
 
@@ -124,6 +178,8 @@ def _checked(ctx: ServerContext, spec: ServeSpec,
     params = build_sampling_params(spec.fields, spec.max_tokens, spec.logprobs, spec.defaults)
     # One max_tokens for all prompts: the room the longest leaves (only lowers one that may be lowered).
     cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
+    # (an API that reasons has one prompt; its config, like the parameters, is the request's)
+    params.reasoning = reasoning_config(ctx, spec.reasoning, prompts[0].prompt_token_ids)
     return prompts, params, request_constraint(spec.fields, spec.tools)
 
 
@@ -201,4 +257,5 @@ async def serve(request: Request, adapter: ServingAdapter) -> Response:
     return await adapter.respond(request, ctx, gen, spec)
 
 
-__all__ = ["FieldNames", "Prompt", "ServeSpec", "ServingAdapter", "serve", "start_generation"]
+__all__ = ["FieldNames", "Prompt", "ReasoningRequest", "ServeSpec", "ServingAdapter", "reasoning_config", "serve",
+           "start_generation"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from chatserve.config import served_names
+from chatserve.reasoning import REASONING_PARSERS
 from chatserve.tools.formats import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
@@ -63,6 +64,12 @@ class ServerSettings:
                     "by rendering a call through it; xlam for a template that ignores tools, SmolLM2's). A template "
                     "without that format's syntax gets chatserve's ChatML template for it, which describes the "
                     "tools in the system prompt (docs/tools-and-structured-outputs.md)"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "how replies' reasoning is split from the answer (vLLM's names): deepseek_r1, qwen3, mistral, "
+                "... (`<think>...</think>` or `[THINK]...[/THINK]`); `none` turns it off, so reasoning stays in "
+                "the answer and reasoning_effort is refused (default: found from the chat template's markers; "
+                "none for a template without them). Forcing one works on any template, the default model's "
+                "included (docs/reasoning.md)"})
     serve_web: bool = field(default=True, metadata={"help": "serve the browser client at /", "aliases": ("--web",)})
     instance_id: str | None = field(default=None, metadata={
         "help": "this replica's name in every response's X-Chatserve-Instance header, so a client behind a router "
@@ -156,6 +163,9 @@ class ServerSettings:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser: unknown parser {self.tool_call_parser!r}; choose one of: "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser not in (None, "none") and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser: unknown parser {self.reasoning_parser!r}; choose one of: "
+                             f"{', '.join(REASONING_PARSERS)}, or none (off)")
 
     def _check_request_limits(self) -> None:
         if not self.grammar_compile_timeout_s > 0:

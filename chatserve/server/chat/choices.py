@@ -23,6 +23,7 @@ class ChoiceDelta:
     finish_reason: str | None
     stop_reason: str | int | None = None
     error: str | None = None  # with finish_reason "error": why this choice could not go on
+    reasoning: str | None = None  # new reasoning text (the parser's; `text` is only ever the answer)
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int | None = None
+    """Completion tokens spent reasoning (up to and including the end marker); None: the request was not
+    parsed for reasoning (then `completion_tokens_details` is left out, as before reasoning existed)."""
     # our extension (`cache_usage.usage_extension`): matched length and why the cache missed
     chatserve: dict[str, Any] = field(default_factory=lambda: usage_extension([]))
 
@@ -41,6 +45,8 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            **({} if self.reasoning_tokens is None
+               else {"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}),
             "chatserve": self.chatserve,
         }
 
@@ -50,6 +56,7 @@ class ChoiceState:
     """Everything one choice produced so far."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
@@ -60,6 +67,11 @@ class ChoiceState:
     @property
     def content(self) -> str:
         return "".join(self.text)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The reply's reasoning, None when it had none (a session stores it apart from the answer)."""
+        return "".join(self.reasoning) or None
 
 
 class Accumulator:
@@ -72,6 +84,8 @@ class Accumulator:
         c = self.choices[d.index]
         if d.text:
             c.text.append(d.text)
+        if d.reasoning:
+            c.reasoning.append(d.reasoning)
         c.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             c.has_logprobs = True
@@ -89,4 +103,5 @@ class Accumulator:
     def merged_delta(self, index: int) -> ChoiceDelta:
         """One choice's whole output as a single delta (what the non-streaming body formats)."""
         c = self.choices[index]
-        return ChoiceDelta(index, c.content, c.token_ids, c.logprobs if c.has_logprobs else None, c.finish_reason)
+        return ChoiceDelta(index, c.content, c.token_ids, c.logprobs if c.has_logprobs else None, c.finish_reason,
+                           reasoning=c.reasoning_text)

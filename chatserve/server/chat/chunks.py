@@ -110,17 +110,35 @@ class ReplyFormat(ABC):
 
 
 class ChatFormat(ReplyFormat):
-    """`chat.completion(.chunk)`: a role delta opens each choice; the finish reason is its own chunk."""
+    """`chat.completion(.chunk)`: a role delta opens each choice; the finish reason is its own chunk.
+
+    `reasoning`: the request was parsed for reasoning (a reasoning parser and a `ReasoningConfig`).
+    Its reasoning is sent under both names clients read, `reasoning` (vLLM's now) and
+    `reasoning_content` (vLLM's before PR #33402, DeepSeek's, what llama_index, dify and LiteLLM
+    read): `delta.reasoning` + `delta.reasoning_content` in a stream, `message.reasoning` +
+    `message.reasoning_content` in a body (null when the reply had none). Never in `content`.
+    """
 
     CHUNK_OBJECT = "chat.completion.chunk"
     REPLY_OBJECT = "chat.completion"
+
+    def __init__(self, cid: str, created: int, model: str, top_logprobs: int, *, reasoning: bool = False) -> None:
+        super().__init__(cid, created, model, top_logprobs)
+        self.reasoning = reasoning
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(num_choices)]
 
+    @staticmethod
+    def reasoning_choices(d: ChoiceDelta) -> list[dict[str, Any]]:
+        """The chunk a delta's new reasoning is (none without any), before its answer's."""
+        if not d.reasoning:
+            return []
+        return [{"index": d.index, "delta": reasoning_fields(d.reasoning), "logprobs": None, "finish_reason": None}]
+
     def delta_choices(self, d: ChoiceDelta) -> list[dict[str, Any]]:
-        out = []
+        out = self.reasoning_choices(d)
         if d.text or (d.logprobs and d.token_ids):
             out.append({"index": d.index, "delta": {"content": d.text},
                         "logprobs": chat_logprobs(d, self.top_logprobs), "finish_reason": None})
@@ -130,12 +148,20 @@ class ChatFormat(ReplyFormat):
 
     def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
         c: ChoiceState = acc.choices[index]
+        message: dict[str, Any] = {"role": "assistant", "content": c.content, "refusal": None}
+        if self.reasoning:
+            message.update(reasoning_fields(c.reasoning_text))
         return {
             "index": index,
-            "message": {"role": "assistant", "content": c.content, "refusal": None},
+            "message": message,
             "logprobs": chat_logprobs(acc.merged_delta(index), self.top_logprobs) if c.has_logprobs else None,
             "finish_reason": c.finish_reason,
         }
+
+
+def reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """Reasoning under both of its names (see `ChatFormat`)."""
+    return {"reasoning": text, "reasoning_content": text}
 
 
 class CompletionFormat(ReplyFormat):

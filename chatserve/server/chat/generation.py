@@ -55,7 +55,9 @@ class Generation:
         except KeyError:
             raise APIError(409, f"a request with id {request_id!r} is already running; use a unique X-Request-Id",
                            param="X-Request-Id", code="duplicate_request_id") from None
-        self.usage = Usage(prompt_tokens=sum(p.num_tokens for p in prompts))
+        self.usage = Usage(prompt_tokens=sum(p.num_tokens for p in prompts),
+                           reasoning_tokens=0 if params.reasoning is not None else None)
+        self._reasoning_tokens: dict[tuple[str, int], int] = {}  # (engine id, choice) -> its reasoning tokens so far
         self._last_time: dict[str, float] = {}
         self._done: set[str] = set()
         self._streams: list[AsyncIterator[RequestOutput]] = []
@@ -140,6 +142,10 @@ class Generation:
                 self.ctx.metrics.observe_token_gap(now - last, new_tokens)
             self._last_time[eid] = now
         self.usage.completion_tokens += new_tokens
+        if self.usage.reasoning_tokens is not None:
+            for o in out.outputs:
+                self._reasoning_tokens[(eid, o.index)] = o.num_reasoning_tokens
+            self.usage.reasoning_tokens = sum(self._reasoning_tokens.values())
         n = self.params.n
         deltas = [self._delta(prompt_index * n, o) for o in out.outputs]
         if out.finished:
@@ -149,7 +155,7 @@ class Generation:
     @staticmethod
     def _delta(base: int, o: CompletionOutput) -> ChoiceDelta:
         return ChoiceDelta(base + o.index, o.text, list(o.token_ids), o.logprobs, o.finish_reason, o.stop_reason,
-                           getattr(o, "error", None))
+                           getattr(o, "error", None), o.reasoning)
 
     def _settle(self, eid: str) -> None:
         """An engine request ended (its final output was seen or its abort returned): count it once."""

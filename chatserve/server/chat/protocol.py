@@ -89,7 +89,6 @@ REFUSED_CHAT: Mapping[str, Refusal] = {
     "audio": (_unset, "audio output"),
     "modalities": (_one_of(["text"]), 'modalities other than ["text"]'),
     "web_search_options": (_unset, "web search"),
-    "reasoning_effort": (_unset, "reasoning_effort (this model does not reason)"),
     "verbosity": (_unset, "verbosity"),
 }
 REFUSED_MESSAGE: Mapping[str, Refusal] = {
@@ -354,6 +353,10 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: Annotated[list[ToolCallIn], Field(fail_fast=True)] | None = None  # assistant messages that called tools
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    # assistant messages: the reply's reasoning sent back, under either name a server sent it in (vLLM's
+    # `reasoning`, the older `reasoning_content`); rendered through the template's `reasoning_content`
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self) -> ChatMessage:
@@ -361,7 +364,17 @@ class ChatMessage(StrictModel):
             raise field_error("tool_call_id", 'a message with role "tool" needs the tool_call_id of the call it answers')
         if self.tool_calls and self.role != "assistant":
             raise field_error("tool_calls", 'only assistant messages may carry tool_calls')
+        for name in ("reasoning", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise field_error(name, f"only assistant messages may carry {name} (a reply's reasoning sent back)")
+        if self.reasoning is not None and self.reasoning_content is not None and self.reasoning != self.reasoning_content:
+            raise field_error("reasoning_content", "reasoning and reasoning_content differ; they are two names of the "
+                                                   "same reasoning: send one of them (or both the same)")
         return self
+
+    def reasoning_text(self) -> str | None:
+        """The reasoning sent back with this assistant message, whichever name it came under."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     @field_validator("content", mode="before")
     @classmethod

@@ -9,6 +9,8 @@ body's `arguments`. A choice that called tools (each call whole) and stopped fin
 "tool_calls"; one cut by max_tokens inside a call finishes with "length", its partial call (name,
 arguments as generated) in `tool_calls` as vLLM sends a named tool choice, never the call's markup
 as text. The accumulated raw text (what a session stores) is untouched; only its presentation changes.
+Reasoning (the engine's reasoning parser split it off; `text` is the answer alone) is sent as
+`ChatFormat` sends it, and calls are read from the answer only.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
 
 
 class ToolChatFormat(ChatFormat):
-    def __init__(self, cid: str, created: int, model: str, top_logprobs: int, plan: ToolPlan) -> None:
-        super().__init__(cid, created, model, top_logprobs)
+    def __init__(self, cid: str, created: int, model: str, top_logprobs: int, plan: ToolPlan, *,
+                 reasoning: bool = False) -> None:
+        super().__init__(cid, created, model, top_logprobs, reasoning=reasoning)
         self.plan = plan
         self._parsers: dict[int, ToolCallStreamParser] = {}
 
@@ -45,11 +48,13 @@ class ToolChatFormat(ChatFormat):
         if d.finish_reason:
             events += parser.finish(truncated=d.finish_reason == "length")
         out = self._event_choices(d.index, events)
+        out[:0] = self.reasoning_choices(d)  # (the parser reads the answer only: reasoning is never a call)
         if d.logprobs and d.token_ids:  # logprobs ride on a content chunk (empty while text is held back)
-            if out and "content" in out[0]["delta"]:
-                out[0]["logprobs"] = chat_logprobs(d, self.top_logprobs)
+            first = next((i for i, c in enumerate(out) if "reasoning" not in c["delta"]), len(out))
+            if first < len(out) and "content" in out[first]["delta"]:
+                out[first]["logprobs"] = chat_logprobs(d, self.top_logprobs)
             else:
-                out.insert(0, {"index": d.index, "delta": {"content": ""},
+                out.insert(first, {"index": d.index, "delta": {"content": ""},
                                "logprobs": chat_logprobs(d, self.top_logprobs), "finish_reason": None})
         if d.finish_reason:
             out.append({"index": d.index, "delta": {}, "logprobs": None,

@@ -4,7 +4,8 @@
 (the template and call format come from the input processor's `tool_rendering`: the template's own
 format, or the one --tool-call-parser forces), and
 `conversation` turns the request's messages into what chat templates expect: assistant calls as
-`tool_calls` with their arguments as objects, tool results as `role: "tool"` messages.
+`tool_calls` with their arguments as objects, tool results as `role: "tool"` messages, reasoning sent
+back as `reasoning_content` (Qwen3's template variable, the name vLLM passes templates too).
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_calls:
             entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}} for c in m.tool_calls]
+        reasoning = m.reasoning_text()
+        if reasoning is not None:  # the template's own variable (Qwen3's; templates without it ignore it)
+            entry["reasoning_content"] = reasoning
         if m.role == "tool":
             entry["tool_call_id"] = m.tool_call_id
             if m.name:

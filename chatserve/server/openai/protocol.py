@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from chatserve.reasoning.budget import budget_for_effort
 from chatserve.server.chat.protocol import (
     MAX_INT32,
     REFUSED_CHAT,
@@ -41,6 +42,16 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolDefinition], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
+    # how much the model may reason (the budget table, docs/reasoning.md); a model without a reasoning
+    # parser refuses any value but "none" (ChatAdapter.admit)
+    reasoning_effort: str | None = None
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _known_effort(cls, effort: str | None) -> str | None:
+        if effort is not None:
+            budget_for_effort(effort, api="openai")  # a ValueError naming the field and the values
+        return effort
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -73,6 +84,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def enable_thinking(self) -> bool | None:
+        """`chat_template_kwargs.enable_thinking` (Qwen3's switch) when sent as a boolean, else None."""
+        value = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return value if isinstance(value, bool) else None
 
 
 TokenId = Annotated[int, Field(ge=-MAX_INT32 - 1, le=MAX_INT32)]

@@ -27,7 +27,7 @@ from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, JSONResponse, bad_request
 from chatserve.server.http_input import read_model, request_id_from
 from chatserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
+from chatserve.server.pipeline import FieldNames, ReasoningRequest, ServeSpec, ServingAdapter, serve
 from chatserve.server.streams.event_log import event_log_errors
 from chatserve.server.streams.resume import MAX_ID_LEN, cursor, follow_sse
 from chatserve.server.streams.runs import DisconnectPolicy
@@ -65,13 +65,15 @@ class ChatAdapter(ServingAdapter):
     async def prepare(self, ctx: ServerContext) -> ServeSpec:
         body = self.body
         ids, plan = await ctx.off_loop(chat_token_ids, ctx, body)  # the template and tokenizer, off the event loop
-        return ServeSpec([ids], body, body.effective_max_tokens(), body.num_logprobs(), tools=plan)
+        return ServeSpec([ids], body, body.effective_max_tokens(), body.num_logprobs(), tools=plan,
+                         reasoning=ReasoningRequest(effort=body.reasoning_effort, enable_thinking=body.enable_thinking()))
 
     async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
         body, plan = self.body, spec.tools
         cid, created, top = f"chatcmpl-{self.request_id}", int(time.time()), body.top_logprobs or 0
-        fmt = ToolChatFormat(cid, created, ctx.model_name, top, plan) if plan is not None and plan.parses_calls \
-            else ChatFormat(cid, created, ctx.model_name, top)
+        reasons = gen.params.reasoning is not None  # reasoning split off: sent under both of its names
+        fmt = ToolChatFormat(cid, created, ctx.model_name, top, plan, reasoning=reasons) \
+            if plan is not None and plan.parses_calls else ChatFormat(cid, created, ctx.model_name, top, reasoning=reasons)
         return await respond(request, ctx, body, self.request_id, gen, Accumulator(body.n), fmt, self.policy)
 
 

@@ -2,8 +2,9 @@
 
 Everything here depends on the server alone, not on what a model computes: error shapes and the
 `param` they name, auth, 404/405, the cancel endpoint's states, SSE framing ([DONE], the usage
-chunk), load shedding, and the session routes over the in-memory store. The real tokenizer and
-the real `InputProcessor` are used, so prompt validation is the engine's own. The end-to-end
+chunk), load shedding, and the session routes over the in-memory store. `FakeEngine` is the real
+engine over a scripted worker (no model), with the real tokenizer, so prompt validation, streams,
+aborts and the KV cache are the engine's own. The end-to-end
 tests against a real server (test_server_openai.py, test_server_sessions.py) cover the rest.
 
 ASGITransport hands a response over only once it is complete, so a request that must still be
@@ -207,7 +208,7 @@ async def test_chat_reply_shape_usage_and_n(engine) -> None:
     assert body["usage"] == {"prompt_tokens": req.prompt.num_tokens, "completion_tokens": 2 * n_reply,
                              "total_tokens": req.prompt.num_tokens + 2 * n_reply,
                              "prompt_tokens_details": {"cached_tokens": 0},
-                             # our extension, always there (the fake engine never admits through a cache)
+                             # our extension, always there (the first request: nothing was cached)
                              "chatserve": {"matched_tokens": 0, "miss_reason": "new", "diverged_at": None,
                                            "lease_hit": False, "session_history_matched": None,
                                            "tiers": {"memory": 0, "disk": 0, "redis": 0, "tier_miss_reason": None}}}

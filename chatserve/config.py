@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from chatserve.kernels.tiers import TIER_CHOICES, TIERS, cpu_flags, tier_cap
 from chatserve.models.hf_overrides import parse_hf_overrides
@@ -27,6 +27,8 @@ DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "none", "gguf", "int8"]
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "gguf", "int8")
 TierName = Literal["avx512_bf16", "avx512_vnni", "avx2_vnni", "avx2"]  # kernels/tiers.py TIERS, best first
+# Which waiting request the scheduler admits next (core/scheduler.py): vLLM's fcfs and priority, SGLang's lpm.
+SchedulingPolicy = Literal["fcfs", "priority", "lpm"]
 
 # Names of torch dtypes: this module imports no torch, so the CLI (`chatserve bench serve`,
 # `--help`) builds its flags from EngineArgs without the ~1 s of `import torch`.
@@ -102,6 +104,12 @@ class SchedulerConfig:
     # so a long prompt never stalls running streams (on the 2-core dev box a 96-token chunk
     # costs about one decode step); prompts shorter than this are unaffected.
     max_prefill_tokens_while_decoding: int = 96
+    # fcfs: arrival order; priority: lowest SamplingParams.priority first, then arrival (vLLM);
+    # lpm: longest cached prefix first (SGLang), with the starvation bound below.
+    policy: SchedulingPolicy = "fcfs"
+    # lpm only: a waiting request that later arrivals have overtaken this many times is admitted
+    # before any request that arrived after it (nothing waits behind an endless stream of cache hits).
+    lpm_max_overtakes: int = 32
 
 
 def _check_zmq_tcp_endpoint(name: str, value: str | None) -> None:
@@ -180,6 +188,10 @@ class EngineArgs:
     max_prefill_tokens_while_decoding: int = field(default=96, metadata={
         "help": "while any sequence decodes, a prefill advances by at most this many tokens a step, so a long "
                 "prompt never stalls running streams (on a 2-core box 96 tokens cost about one decode step)"})
+    scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata={
+        "help": "which waiting request is admitted next: fcfs (arrival order), priority (the request's priority, "
+                "lower first, then arrival; as vLLM; a running request of the lowest priority is preempted first), lpm "
+                "(longest cached prefix first, as SGLang; a request overtaken 32 times by later arrivals goes next)"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; wins over the memory budget (default: from the memory budget)",
         "aliases": ("--num-gpu-blocks-override",)})
@@ -291,6 +303,9 @@ class EngineArgs:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ValueError(f"scheduling_policy must be one of {', '.join(get_args(SchedulingPolicy))}; "
+                             f"got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.quantization not in QUANTIZATION_CHOICES:

@@ -19,6 +19,7 @@ OutputKind = Literal["cumulative", "delta", "final_only"]
 
 # Bounds that OpenAI documents; vLLM uses the same ones.
 _MAX_LOGPROBS = 20
+_LOGIT_BIAS_RANGE = 100.0
 _PENALTY_RANGE = 2.0
 _REPETITION_PENALTY_MIN, _REPETITION_PENALTY_MAX = 1e-3, 1e3
 _TOP_K_MAX = 2**31 - 1
@@ -217,6 +218,23 @@ class SamplingParams:
     # A reasoning model's split and budget (chatserve.reasoning): the engine puts the reasoning in
     # CompletionOutput.reasoning, the answer alone in text, and forces the end marker at the budget.
     reasoning: ReasoningConfig | None = None
+    # ---- vLLM's request controls (docs/openai-api.md, "Request fields"): applied per row by the sampler,
+    # so a request gets the same tokens alone or batched.
+    # Scheduling: lower is served first (vLLM's meaning); served under the engine's "priority" policy.
+    priority: int = 0
+    # token id -> a bias added to its logit before sampling (OpenAI's range, -100..100).
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # words that must not be generated: a word's last token is banned when its tokens before it were
+    # just generated (vLLM's rule), each word with and without a leading space; the engine fills
+    # bad_words_token_ids from its tokenizer (InputProcessor.check_params).
+    bad_words: list[str] | None = None
+    # the top-N logprobs of every prompt token after the first (vLLM's prompt_logprobs, N in 0..20).
+    prompt_logprobs: int | None = None
+    # keep only the last N prompt tokens (-1: as many as the model's context allows), before any check.
+    truncate_prompt_tokens: int | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     # stop_token_ids as a set, so the per-token check is O(1) (kept in step by __post_init__ and clone)
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -305,6 +323,54 @@ class SamplingParams:
 
         if self.reasoning is not None and not isinstance(self.reasoning, ReasoningConfig):
             raise ValueError(f"reasoning must be a ReasoningConfig or None, got {type(self.reasoning).__name__}")
+
+        self._check_request_controls()
+
+    def _check_request_controls(self) -> None:
+        """priority, logit_bias, allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens:
+        types and ranges here; token ids against the vocabulary where the engine knows it (check_params)."""
+        _check_int("priority", self.priority)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                token = int(key) if isinstance(key, str) and key.isdigit() else key
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+                value = _as_float(f"logit_bias[{token}]", value)
+                if not -_LOGIT_BIAS_RANGE <= value <= _LOGIT_BIAS_RANGE:
+                    raise ValueError(f"logit_bias values must be in [-{_LOGIT_BIAS_RANGE:g}, {_LOGIT_BIAS_RANGE:g}], "
+                                     f"got {value} for token {token}")
+                bias[token] = value
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            for token in ids:
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"allowed_token_ids must contain only token ids (ints >= 0), got {token!r}")
+            self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(words) or None
+        _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}] or None (the whole vocabulary, vLLM's -1, "
+                             f"is not served), got {self.prompt_logprobs}")
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, optional=True)
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                            or self.truncate_prompt_tokens >= 1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 (the model's context length), got "
+                             f"{self.truncate_prompt_tokens}")
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether the sampler must change this row's logits for logit_bias, allowed_token_ids or bad_words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -4,9 +4,23 @@ Plain Python (no torch). Every step, running sequences go first (decodes and
 unfinished prefill chunks, oldest first), then waiting sequences are admitted
 while the token budget, the sequence cap and free KV blocks allow. Prompts
 longer than the leftover budget are prefilled in chunks across steps. When
-blocks run out, unlocked cached blocks are evicted first; then the newest
-running sequence is preempted by recompute (its computed prefix stays in the
-prefix cache, so resuming it is cheap).
+blocks run out, unlocked cached blocks are evicted first; then a running
+sequence is preempted by recompute (its computed prefix stays in the prefix
+cache, so resuming it is cheap): the newest, or under the priority policy the
+one of the lowest priority (the largest value), newest among equals.
+
+Which waiting sequence is admitted next is the scheduling policy
+(``SchedulerConfig.policy``, ``--scheduling-policy``):
+
+- ``fcfs``: arrival order (a preempted sequence goes back to the front);
+- ``priority``: vLLM's: the lowest ``SamplingParams.priority`` first, arrival
+  order among equals;
+- ``lpm``: SGLang's longest-prefix-match: the waiting sequence with the most
+  tokens already in the prefix cache first, arrival order among equals. Its
+  starvation bound: each time a sequence is admitted, every waiting sequence
+  that arrived before it counts one overtake; one overtaken
+  ``lpm_max_overtakes`` times (32) is admitted before anything that arrived
+  after it, so no request waits behind more than that many later cache hits.
 """
 
 from __future__ import annotations
@@ -123,6 +137,8 @@ class Scheduler:
         # chunk before them), steps that run decodes beside prefill chunks (chunked prefill at work)
         self.num_prefill_chunks_continued = 0
         self.num_mixed_steps = 0
+        # lpm's starvation bound: seq_id -> how many later arrivals were admitted while it waited
+        self._overtaken: dict[int, int] = {}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -170,7 +186,7 @@ class Scheduler:
         # 2. admit waiting sequences (none while we are preempting: memory is short)
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.popleft()
+            seq = self._pop_next_waiting()
             cached = self.blocks.match_and_lock(seq)
             if self._prefix_in_flight(seq, cached):
                 # NOTE: a running sequence is computing the next block of this prompt right now;
@@ -187,6 +203,7 @@ class Scheduler:
                 self.waiting.appendleft(seq)
                 break
             self.blocks.record_admission(seq, cached)
+            self._count_overtakes(seq)
             seq.status = SequenceStatus.RUNNING
             if why is not None:
                 seq.stats.first_scheduled_time = time.monotonic()
@@ -283,12 +300,51 @@ class Scheduler:
                 return True
         return False
 
+    def _pop_next_waiting(self) -> Sequence:
+        """Take the waiting sequence the policy admits next out of the queue."""
+        policy = self.config.policy
+        if policy == "fcfs" or len(self.waiting) == 1:
+            return self.waiting.popleft()
+        if policy == "priority":
+            chosen = min(self.waiting, key=lambda s: (s.params.priority, s.arrival_order))
+        else:
+            chosen = self._longest_prefix_match()
+        self.waiting.remove(chosen)
+        return chosen
+
+    def _longest_prefix_match(self) -> Sequence:
+        """lpm: the oldest starving sequence (overtaken ``lpm_max_overtakes`` times) if any, else the one
+        with the longest cached prefix (a peek: no lock, no LRU touch), the oldest among equals."""
+        bound = self.config.lpm_max_overtakes
+        starving = [s for s in self.waiting if self._overtaken.get(s.seq_id, 0) >= bound]
+        if starving:
+            return min(starving, key=lambda s: s.arrival_order)
+        if not self.blocks.cache_enabled:
+            return min(self.waiting, key=lambda s: s.arrival_order)
+
+        def cached(s: Sequence) -> int:
+            return self.blocks.cache.peek_prefix(s.token_ids[:-1], salt=s.cache_salt)
+
+        return min(self.waiting, key=lambda s: (-cached(s), s.arrival_order))
+
+    def _count_overtakes(self, admitted: Sequence) -> None:
+        """lpm's bookkeeping at an admission: every waiting sequence that arrived before ``admitted`` was overtaken."""
+        self._overtaken.pop(admitted.seq_id, None)
+        if self.config.policy != "lpm":
+            return
+        for s in self.waiting:
+            if s.arrival_order < admitted.arrival_order:
+                self._overtaken[s.seq_id] = self._overtaken.get(s.seq_id, 0) + 1
+
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence | None:
-        """The newest running sequence (the one that has waited least) gives way."""
-        for seq in reversed(self.running):
-            if seq.seq_id not in scheduled_ids:
-                return seq
-        return None
+        """The running sequence that gives way: the newest (the one that has waited least), or under the
+        priority policy the one of the lowest priority (the largest value), the newest among equals."""
+        candidates = [s for s in self.running if s.seq_id not in scheduled_ids]
+        if not candidates:
+            return None
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda s: (s.params.priority, s.arrival_order))
+        return candidates[-1]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -308,6 +364,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.blocks.release(seq, keep_in_cache=True, lease=True)
+        self._overtaken.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         if self.drafter is not None:
             self.drafter.finish(seq)

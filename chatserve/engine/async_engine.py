@@ -284,7 +284,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running; use a unique id per request")
         params = sampling_params if sampling_params is not None else SamplingParams()
         salt, leases = self.engine.check_cache_options(cache_salt, cache_leases)
-        processed = self.engine.input_processor.process(prompt)
+        processed = self.engine.input_processor.process(prompt, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        self.engine.input_processor.check_params(params)
         self._loop.ensure_running()
         stats = RequestStats(num_prompt_tokens=processed.num_tokens)
         if session is not None:

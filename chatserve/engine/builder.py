@@ -134,7 +134,8 @@ def assemble_engine_parts(
                            "equal plain decoding's only up to float rounding (exact where the whole forward pass "
                            "runs on a CPU kernel tier)", info.kernels, "; ".join(info.non_invariant_fallbacks))
     scheduler = Scheduler(
-        SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, args.max_prefill_tokens_while_decoding),
+        SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len, args.max_prefill_tokens_while_decoding,
+                        policy=args.scheduling_policy),
         block_manager, drafter=spec, kv_free_window=kv_free_window,
     )
     # Structured outputs: compiled off the step (a worker thread); requests wait meanwhile.

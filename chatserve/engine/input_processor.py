@@ -119,8 +119,10 @@ class InputProcessor:
         max_model_len_note: str,
         num_kv_blocks: int,
         block_size: int,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy  # a request's priority is served under "priority" only
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_model_len_note = max_model_len_note  # why the limit is what it is, e.g. the KV pool
@@ -185,19 +187,69 @@ class InputProcessor:
         return found
 
     def process(
-        self, prompt: str | dict[str, Any] | ProcessedPrompt, *, max_tokens: int | None = None, param: str = "prompt"
+        self, prompt: str | dict[str, Any] | ProcessedPrompt, *, max_tokens: int | None = None, param: str = "prompt",
+        truncate_prompt_tokens: int | None = None,
     ) -> ProcessedPrompt:
         """Tokenize a str or {"prompt_token_ids": [...]} and check every rule; a ProcessedPrompt passes as is.
 
         max_tokens, when given, is the caller's explicit budget for the reply: a prompt that fits
         but leaves it no room is refused (param "max_tokens"). Without it, generation simply stops
-        at max_model_len. Raises PromptError (a ValueError) naming `param`.
+        at max_model_len. truncate_prompt_tokens (vLLM's): keep only the prompt's last N tokens
+        (-1: the model's context length less one, the room for a reply), before the checks; the
+        text is then the kept tokens decoded. Raises PromptError (a ValueError) naming `param`.
         """
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         text, ids = self._tokenize(prompt, param)
+        kept = self.truncate(ids, truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            text, ids = self.tokenizer.decode(kept), kept
         self.check_length(len(ids), max_tokens, param=param)
         return ProcessedPrompt(text, ids)
+
+    def truncate(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last ``truncate_prompt_tokens`` of ``ids`` (vLLM's left truncation; -1: the model's
+        context length less one, so a reply still fits); None keeps them all."""
+        if truncate_prompt_tokens is None:
+            return ids
+        keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep < 1:
+            raise PromptError(f"truncate_prompt_tokens must be >= 1 or -1, got {truncate_prompt_tokens}",
+                              param="truncate_prompt_tokens")
+        return ids[-keep:] if len(ids) > keep else ids
+
+    def check_params(self, params: Any) -> None:
+        """What a request's SamplingParams can only be checked against with the engine: token ids within
+        the vocabulary (logit_bias, allowed_token_ids: PromptError naming the field), a priority under a
+        policy that does not serve it (vLLM refuses it too), and bad_words turned into token ids (filled
+        into ``params.bad_words_token_ids``, vLLM's rule: each word as is and, where it tokenises to as
+        many tokens, with a leading space)."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise PromptError(f"{name} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param=name)
+        if params.priority != 0 and self.scheduling_policy != "priority":
+            raise PromptError(f"priority {params.priority} needs the priority scheduling policy (the server runs "
+                              f"{self.scheduling_policy!r}; start it with --scheduling-policy priority), or send "
+                              "priority 0", param="priority")
+        params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each word's token ids, then the same word after a space where that is another tokenisation
+        of the same length (vLLM's update_from_tokenizer), so " word" mid-sentence is banned too."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (plain, spaced):
+                if not ids or ids in out or (ids is spaced and len(spaced) != len(plain)):
+                    continue
+                bad = [t for t in ids if t >= self.vocab_size]
+                if bad:
+                    raise PromptError(f"bad_words: {word[:40]!r} tokenises to ids outside the vocabulary", param="bad_words")
+                out.append(ids)
+        return out
 
     def _tokenize(self, prompt: Any, param: str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -167,6 +167,7 @@ class LLMEngine(EngineCore):
             max_model_len_note=self.max_model_len_note,
             num_kv_blocks=self.block_manager.num_total_blocks,
             block_size=self.block_manager.block_size,
+            scheduling_policy=self.scheduler.config.policy,
         )
 
     # ---- requests ----------------------------------------------------------
@@ -196,7 +197,8 @@ class LLMEngine(EngineCore):
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params or SamplingParams()
         cache_salt, leases = self.check_cache_options(cache_salt, cache_leases)
-        processed = self.input_processor.process(prompt)
+        processed = self.input_processor.process(prompt, truncate_prompt_tokens=params.truncate_prompt_tokens)
+        self.input_processor.check_params(params)
         ids = processed.prompt_token_ids
         stats = stats if stats is not None else RequestStats()
         if session is not None:

@@ -10,6 +10,7 @@ from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.engine.input_processor import apply_chat_template as apply_chat_template  # tests and scripts import it here
 from chatserve.engine.llm_engine import EngineArgs, LLMEngine, PromptType
 from chatserve.outputs import EngineInfo, RequestOutput
+from chatserve.reasoning import ReasoningConfig, detect_reasoning_parser, reasoning_config_for, reasoning_parser_named
 from chatserve.sampling_params import SamplingParams, StructuredOutputsParams
 from chatserve.tools import FunctionTool, ToolChoice, parse_tool_calls, tool_grammar
 
@@ -88,6 +89,9 @@ class LLM:
         parallel_tool_calls: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        reasoning_effort: str | None = None,
+        reasoning_budget_tokens: int | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
 
@@ -98,6 +102,13 @@ class LLM:
         output cut by max_tokens (finish_reason "length") inside a call holds it partial (`complete` False).
         `tool_call_parser` forces a call format as `chatserve serve --tool-call-parser` does (default: the
         template's own).
+
+        `reasoning_parser` (vLLM's names: "qwen3", "deepseek_r1", "mistral"; "auto": the one the chat
+        template shows, if any) splits each output into `reasoning` and the answer in `text` (tool calls
+        are parsed from the answer alone); `reasoning_effort` (OpenAI's values, docs/reasoning.md's
+        table) or `reasoning_budget_tokens` bounds the reasoning, the end marker forced when it is
+        spent; `chat_template_kwargs={"enable_thinking": False}` turns thinking off where the template
+        knows the switch.
         """
         if not messages:
             raise ValueError("messages is empty")
@@ -108,18 +119,30 @@ class LLM:
         if choice.mode == "named" and not choice.allowed(specs):
             raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")
         offered = [t.to_template() for t in specs] if choice.allowed(specs) else None
-        prompts = [
-            processor.process({"prompt_token_ids": processor.render_chat(
+        template_kwargs = dict(chat_template_kwargs or {})
+        texts = [
+            processor.render_chat_text(
                 conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=offered,
-                tool_parser=tool_call_parser, **(chat_template_kwargs or {}))})
+                tool_parser=tool_call_parser, **template_kwargs)
             for conv in conversations
         ]
-        if not offered:
-            return self.generate(prompts, sampling_params)
-        fmt = processor.tool_rendering(chat_template, tool_call_parser).format
-        grammar = tool_grammar(fmt, specs, choice, parallel_tool_calls)
+        prompts = [processor.process({"prompt_token_ids": list(processor.tokenizer.encode(t, add_special_tokens=False))})
+                   for t in texts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} conversations")
+        parser = self._reasoning_parser(reasoning_parser, chat_template)
+        if parser is not None:
+            enable_thinking = template_kwargs.get("enable_thinking")
+            configs = [reasoning_config_for(parser, text, effort=reasoning_effort, budget_tokens=reasoning_budget_tokens,
+                                            enable_thinking=enable_thinking if isinstance(enable_thinking, bool) else None)
+                       for text in texts]
+            params_list = [_with_reasoning(p, c) for p, c in zip(params_list, configs)]
+        if not offered:
+            return self.generate(prompts, params_list)
+        fmt = processor.tool_rendering(chat_template, tool_call_parser).format
+        grammar = tool_grammar(fmt, specs, choice, parallel_tool_calls)
         if grammar is not None:
             params_list = [_with_grammar(p, grammar) for p in params_list]
         outputs = self.generate(prompts, params_list)
@@ -128,6 +151,15 @@ class LLM:
             for o in out.outputs:
                 o.tool_calls = parse_tool_calls(o.text, fmt, names, truncated=o.finish_reason == "length").tool_calls
         return outputs
+
+    def _reasoning_parser(self, name: str | None, chat_template: str | None) -> str | None:
+        """The parser's checked name; "auto": the one the chat template (given, else the model's) shows."""
+        if name is None:
+            return None
+        if name == "auto":
+            template = chat_template if chat_template is not None else getattr(self.engine.tokenizer, "chat_template", None)
+            return detect_reasoning_parser(template if isinstance(template, str) else None)
+        return reasoning_parser_named(name).name
 
     def _run(self, prompts: list[ProcessedPrompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
         engine = self.engine
@@ -153,6 +185,15 @@ class LLM:
         for out in results:
             out.outputs.sort(key=lambda o: o.index)
         return results
+
+
+def _with_reasoning(params: SamplingParams, config: ReasoningConfig | None) -> SamplingParams:
+    """The conversation's reasoning config, unless the caller set one on the params themselves."""
+    if config is None or params.reasoning is not None:
+        return params
+    p = params.clone()
+    p.reasoning = config
+    return p
 
 
 def _with_grammar(params: SamplingParams, grammar: dict[str, Any]) -> SamplingParams:

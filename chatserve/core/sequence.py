@@ -15,6 +15,8 @@ from chatserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from chatserve.reasoning.tracker import ReasoningTracker
+
 
 class GrammarMatcher(Protocol):
     """A structured-outputs grammar walked token by token (structured.SequenceMatcher): the output
@@ -90,6 +92,9 @@ class Sequence:
     # A constrained sequence reaches the scheduler only after that, so every scheduled one has it.
     grammar: GrammarMatcher | None = None
     detokenizer: Detokenizer | None = None
+    # NOTE: a reasoning request's split, counts and budget (SamplingParams.reasoning); it decides what
+    # `grammar` is before each token: nothing while reasoning, the forced end marker, the answer's grammar.
+    reasoning: ReasoningTracker | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
     # NOTE: one record per request, shared by its n sequences (the scheduler writes admission,

@@ -106,7 +106,9 @@ class Admission:
                 continue
             compiled = future.result()
             for seq in req.seqs:
-                seq.grammar = SequenceMatcher(compiled)
+                matcher = SequenceMatcher(compiled)
+                # a reasoning sequence's grammar starts after its end marker (reasoning/tracker.py)
+                seq.grammar = matcher if seq.reasoning is None else seq.reasoning.with_answer_grammar(matcher)
             self._to_scheduler(req)
 
     def _to_scheduler(self, req: Request) -> None:

@@ -26,6 +26,7 @@ from chatserve.engine.output_processor import OutputProcessor
 from chatserve.engine.request import Request
 from chatserve.engine.stats import engine_stats
 from chatserve.outputs import EngineInfo, RequestStats
+from chatserve.reasoning.tracker import ReasoningTracker
 from chatserve.sampling_params import SamplingParams
 from chatserve.worker.sampler import make_generator
 
@@ -206,6 +207,7 @@ class LLMEngine(EngineCore):
         stats.num_prompt_tokens = len(ids)
         req = Request(request_id, processed.prompt, ids, params, stats, cache_salt=cache_salt)
         for i in range(params.n):
+            reasoning = None if params.reasoning is None else ReasoningTracker.for_request(params.reasoning, self.tokenizer)
             req.seqs.append(Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=request_id,
@@ -222,6 +224,8 @@ class LLMEngine(EngineCore):
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
+                reasoning=reasoning,
+                grammar=None if reasoning is None else reasoning.grammar_now(),  # the forced end marker at budget 0
                 stats=stats,
                 session=session,
                 cache_salt=cache_salt,

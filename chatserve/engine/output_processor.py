@@ -22,8 +22,10 @@ class OutputProcessor:
     logprobs, detokenized text, the per-request stats (`num_generated_tokens`, `finish_time`) and the
     engine's count of generated tokens.
 
-    # NOTE: the seam for parsing generated text (reasoning, tool calls): `_completion` is where one
-    # sequence's text becomes a `CompletionOutput`; a parser per family goes there, fed each delta.
+    # NOTE: the seam for parsing generated text: `_completion` is where one sequence's text becomes a
+    # `CompletionOutput`. A reasoning request's tracker (chatserve.reasoning) splits it there into the
+    # reasoning and the answer; it is fed each token's text in `_append_token`, where the budget and
+    # the grammar's start are decided before the next token is sampled.
     """
 
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], max_model_len: int) -> None:
@@ -66,6 +68,10 @@ class OutputProcessor:
             end_sequence(seq, "error", f"structured_outputs.{kind}: the grammar rejected token {token}; generation stopped")
             return
         self._check_stop(seq, token)
+        if seq.reasoning is not None:
+            # the split moves on with the token's text; what masks the next token may change with it
+            seq.reasoning.after_token(seq.detokenizer.text)  # type: ignore[union-attr]
+            seq.grammar = seq.reasoning.grammar_now()
         if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_terminated:
             seq.finish_reason = "stop"  # the grammar has ended (e.g. ignore_eos let its stop token through)
             seq.detokenizer.flush()  # type: ignore[union-attr]
@@ -165,16 +171,23 @@ class OutputProcessor:
         """One sequence's part of the output: everything so far, or (``delta``) what is new since the
         last output (None when nothing is)."""
         text = seq.detokenizer.text  # type: ignore[union-attr]
+        tracker = seq.reasoning
+        reasoning: str | None = None
+        if tracker is not None:
+            # NOTE: the seam for reasoning: `text` is the answer alone, the reasoning goes apart.
+            tracker.sync(text, finished=seq.finish_reason is not None)
+            text, reasoning = tracker.answer, tracker.reasoning
         tokens = seq.output_token_ids
         logprobs = seq.logprobs
         if kind == "delta":
             text_d, tokens_d = text[seq.sent_text_len :], tokens[seq.sent_token_len :]
+            reasoning_d = None if tracker is None else tracker.reasoning_delta()
             logprobs_d = None if logprobs is None else logprobs[seq.sent_token_len :]
-            if not text_d and not tokens_d and (not seq.is_finished or seq.sent_finish):
+            if not text_d and not tokens_d and not reasoning_d and (not seq.is_finished or seq.sent_finish):
                 return None
             seq.sent_text_len, seq.sent_token_len = len(text), len(tokens)
             seq.sent_finish = seq.is_finished
-            text, tokens, logprobs = text_d, tokens_d, logprobs_d
+            text, tokens, logprobs, reasoning = text_d, tokens_d, logprobs_d, reasoning_d
         else:
             tokens = list(tokens)
             logprobs = None if logprobs is None else list(logprobs)
@@ -187,6 +200,8 @@ class OutputProcessor:
             logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             error=seq.error,
+            reasoning=reasoning,
+            num_reasoning_tokens=0 if tracker is None else tracker.num_reasoning_tokens,
         )
 
 

@@ -21,7 +21,11 @@ from chatserve.kernels.build import COMMON_CFLAGS, CSRC, build_root, sources_has
 from chatserve.kernels.reference import paged_extend_attention
 from chatserve.kernels.tiers import TIERS, build_tier_family, cpu_flags, supported_tiers, tier_source
 
-TIERED = [t.name for t in supported_tiers() if t.tiered]
+from .conftest import PROCESS_ENGINE_ARGS
+
+CAP = PROCESS_ENGINE_ARGS.max_cpu_tier  # this run's $CHATSERVE_MAX_CPU_TIER (EngineArgs.from_env)
+
+TIERED = [t.name for t in supported_tiers(cap=CAP) if t.tiered]
 
 
 @pytest.fixture(scope="module", params=["avx512_bf16", *TIERED])
@@ -30,7 +34,7 @@ def kernels(request):
     if request.param == "avx512_bf16":
         from chatserve.kernels.cpu import load_cpu_kernels
 
-        if TIERS["avx512_bf16"] not in supported_tiers():
+        if TIERS["avx512_bf16"] not in supported_tiers(cap=CAP):
             pytest.skip("no AVX512-BF16 CPU: the engine uses another tier")
         k = load_cpu_kernels(tier="avx512_bf16")
         if k is None:  # a CPU that has the tier: a failure, never a skip

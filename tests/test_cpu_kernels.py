@@ -15,7 +15,10 @@ from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
 from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
 from chatserve.layers.linear import kernel_linear, onednn_linear, onednn_pack, packed_linear_available, power_of_two_pieces
 
+from .conftest import PROCESS_ENGINE_ARGS
 from .helpers.tier_compile import compile_tier_object
+
+CAP = PROCESS_ENGINE_ARGS.max_cpu_tier  # this run's $CHATSERVE_MAX_CPU_TIER (EngineArgs.from_env)
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +306,7 @@ def test_store_kv_kernel_matches_reference_and_refuses_bad_slots(kernels):
 
 
 # ------------------------------------------------------------------ tiered fused ops (csrc/tier_fused.cpp)
-FUSED_TIERS = [t.name for t in tiers.tested_tiers() if t.tiered]
+FUSED_TIERS = [t.name for t in tiers.tested_tiers(CAP) if t.tiered]
 
 
 @pytest.fixture(scope="module", params=FUSED_TIERS or ["none"])
@@ -390,7 +393,7 @@ def test_tier_huge_page_zeros_and_release(fused):
 
 # the tiers whose vec.h section no tier of this CPU runs (AVX512 on an AVX2 host): compiled, not run
 UNRUNNABLE_TIERS = [t.name for t in TIERS.values() if t.tiered and not any(
-    set(t.cflags) & {"-DCHATSERVE_TIER_AVX2", "-DCHATSERVE_TIER_AVX512"} <= set(s.cflags) for s in supported_tiers() if s.tiered)]
+    set(t.cflags) & {"-DCHATSERVE_TIER_AVX2", "-DCHATSERVE_TIER_AVX512"} <= set(s.cflags) for s in supported_tiers(cap=CAP) if s.tiered)]
 
 
 # slow: ~50 s a tier on 2 cores (torch/extension.h alone), so `make test-all` runs it; a host of that

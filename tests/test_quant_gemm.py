@@ -33,6 +33,8 @@ from chatserve.kernels.cpu_quant import (  # noqa: E402
 from chatserve.kernels.quant_reference import quantize_activations, reference_quant_kernels  # noqa: E402
 from chatserve.kernels.tiers import tested_tiers as _tested_tiers  # noqa: E402 (not a test: no test_ name here)
 
+from .conftest import PROCESS_ENGINE_ARGS  # noqa: E402
+
 ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 17, 64, 100, 257, 1000]  # tiles of 1-2 rows x 4 columns, then of 3-4 x 2, row blocks of 256
 GGUF_TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
               GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
@@ -41,7 +43,7 @@ SHAPES = {32: [(37, 96), (150, 224)], 256: [(37, 256), (70, 768)]}
 
 
 # every tier this CPU runs, best first (none: the tests that need kernels skip)
-TIERS = _tested_tiers()
+TIERS = _tested_tiers(PROCESS_ENGINE_ARGS.max_cpu_tier)  # this run's $CHATSERVE_MAX_CPU_TIER
 
 
 @pytest.fixture(scope="module", params=TIERS or [None], ids=[t.name for t in TIERS] or ["no-tier"])

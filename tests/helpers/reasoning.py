@@ -34,7 +34,8 @@ _QWEN3_THINKING_TEMPLATE = """\
   {%- if message.role == 'assistant' -%}
     {%- set reasoning = message.reasoning_content if message.reasoning_content is defined and message.reasoning_content else '' -%}
     {%- if loop.index0 > ns2.last_query and reasoning -%}
-{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + message.content.lstrip('\\n') + '<|im_end|>\\n' -}}
+{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' -}}
+{{- message.content.lstrip('\\n') + '<|im_end|>\\n' -}}
     {%- else -%}
 {{- '<|im_start|>assistant\\n' + message.content + '<|im_end|>\\n' -}}
     {%- endif -%}

@@ -164,10 +164,14 @@ class Message:
     # history[:prompt_end] of the last turn, so both reuse the cached KV exactly.
     prompt_end: int | None = None
     history_end: int | None = None
+    # Assistant only: the reply's reasoning (a reasoning model's thinking, split off by the server's
+    # reasoning parser), kept apart from `content`, the answer. The token history holds it exactly as
+    # generated, markers included, so the next turn's prompt still matches the cache in full.
+    reasoning: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The message object of the HTTP API."""
-        return {
+        """The message object of the HTTP API (`reasoning` only on a reply that reasoned)."""
+        out = {
             "role": self.role,
             "content": self.content,
             "finish_reason": self.finish_reason,
@@ -175,6 +179,9 @@ class Message:
             "created_at": int(self.created_at),
             "stats": self.stats,
         }
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
+        return out
 
     def to_record(self) -> str:
         if self.role not in MESSAGE_ROLES:
@@ -191,6 +198,10 @@ class Message:
             "prompt_end": self.prompt_end,
             "history_end": self.history_end,
         }
+        if self.reasoning is not None:  # (records without it read back as None: older turns, non-reasoning models)
+            if not isinstance(self.reasoning, str):
+                raise SessionValidationError(f"message reasoning must be a string, got {type(self.reasoning).__name__}")
+            fields["reasoning"] = self.reasoning
         return dumps_json(fields, f"{self.role} message")
 
     @classmethod

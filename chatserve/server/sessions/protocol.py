@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from chatserve.reasoning.budget import budget_for_effort
 from chatserve.server.chat.protocol import (
     MAX_INT32,
     REFUSED_SAMPLING,
@@ -81,7 +82,20 @@ class ToolResult(StrictModel):
     content: str
 
 
-class SessionMessageRequest(SamplingFields):
+class ReasoningEffortField(StrictModel):
+    """A turn's `reasoning_effort`, as chat completions take it (the budget table, docs/reasoning.md)."""
+
+    reasoning_effort: str | None = None
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _known_effort(cls, effort: str | None) -> str | None:
+        if effort is not None:
+            budget_for_effort(effort, api="openai")  # a ValueError naming the field and the values
+        return effort
+
+
+class SessionMessageRequest(ReasoningEffortField, SamplingFields):
     """One user turn; a session turn streams by default (it is a chat UI's main call)."""
 
     refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_SESSION}
@@ -117,7 +131,7 @@ class SessionMessageRequest(SamplingFields):
         return bool(self.tools or self.tool_results)
 
 
-class SessionRegenerateRequest(SamplingFields):
+class SessionRegenerateRequest(ReasoningEffortField, SamplingFields):
     """POST /v1/sessions/{id}/regenerate: a new reply to the last user message, in place of the last
     reply; the sampling fields of a turn (the stored user message is the content)."""
 

@@ -31,7 +31,7 @@ from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, JSONResponse, bad_request
 from chatserve.server.http_input import query_limit, read_model, request_id_from
-from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
+from chatserve.server.pipeline import FieldNames, ReasoningRequest, ServeSpec, ServingAdapter, serve
 from chatserve.server.sessions.cache import report_for_api, turn_kv
 from chatserve.server.sessions.prompts import first_tool_turn_ids, first_turn_ids, new_messages, next_turn_ids, stored_user_text
 from chatserve.server.sessions.protocol import (
@@ -223,7 +223,8 @@ class TurnAdapter(ServingAdapter):
                                 replace_last_turn=planned.replace_last_turn, user_created_at=planned.user_created_at,
                                 lock_ttl_s=ctx.settings.session_turn_lock_ttl_s)
         return ServeSpec([planned.prompt_ids], body, body.max_tokens, 0 if body.logprobs else None, tools=tool_plan,
-                         defaults=session.defaults, session=turn_kv(ctx.settings, session, planned.prompt_ids, history))
+                         defaults=session.defaults, session=turn_kv(ctx.settings, session, planned.prompt_ids, history),
+                         reasoning=ReasoningRequest(effort=body.reasoning_effort))
 
     async def abandon(self) -> None:
         if self.turn is not None:
@@ -238,8 +239,10 @@ class TurnAdapter(ServingAdapter):
         turn.start_refreshing()
         acc = Accumulator(1)
         cid, created = f"chatcmpl-{self.request_id}", int(time.time())
-        fmt = ToolChatFormat(cid, created, ctx.model_name, 0, tool_plan) if tool_plan is not None and tool_plan.parses_calls \
-            else ChatFormat(cid, created, ctx.model_name, 0)
+        reasons = gen.params.reasoning is not None  # streamed as chat's delta.reasoning; stored apart from the answer
+        fmt = ToolChatFormat(cid, created, ctx.model_name, 0, tool_plan, reasoning=reasons) \
+            if tool_plan is not None and tool_plan.parses_calls else ChatFormat(cid, created, ctx.model_name, 0,
+                                                                                reasoning=reasons)
         headers = {"X-Request-Id": self.request_id, "X-Session-Id": sid}
         if body.stream:
             include_usage = body.stream_options.include_usage if body.stream_options else True

@@ -110,7 +110,8 @@ class SessionTurn:
                     Message("user", self.user_text) if self.user_created_at is None
                     else Message("user", self.user_text, created_at=self.user_created_at),
                     Message("assistant", choice.content, finish_reason=finish_reason, usage=usage.as_dict(), stats=stats,
-                            prompt_end=len(self.prompt_ids), history_end=len(self.prompt_ids) + len(choice.token_ids)),
+                            prompt_end=len(self.prompt_ids), history_end=len(self.prompt_ids) + len(choice.token_ids),
+                            reasoning=choice.reasoning_text),
                     history_token_ids=self.prompt_ids + choice.token_ids,
                     expected_num_turns=self.expected_turns,
                     replace_last_turn=self.replace_last_turn,

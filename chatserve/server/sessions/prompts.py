@@ -37,17 +37,23 @@ def stored_user_text(body: SessionMessageRequest) -> str:
     return "\n".join(f"[tool result {r.tool_call_id}] {r.content}" for r in body.tool_results or [])
 
 
-def first_turn_ids(input_processor: InputProcessor, system_prompt: str | None, content: str) -> list[int]:
-    """No history yet: the whole conversation through the template (PromptError names `content`)."""
+def first_turn_ids(input_processor: InputProcessor, system_prompt: str | None, content: str,
+                   chat_template: str | None = None) -> list[int]:
+    """No history yet: the whole conversation through the template (`chat_template`: --chat-template's,
+    None the model's; PromptError names `content`)."""
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": content}
     ]
-    return input_processor.render_chat(messages, add_generation_prompt=True, param="content")
+    return input_processor.render_chat(messages, add_generation_prompt=True, chat_template=chat_template,
+                                       param="content")
 
 
-def next_turn_ids(tokenizer: Any, history: list[int], content: str, eos_token_ids: Collection[int]) -> list[int]:
-    """history (prompt + reply of the last turn, exactly as generated) + the new user turn."""
-    return continue_history(tokenizer, history, [{"role": "user", "content": content}], eos_token_ids)
+def next_turn_ids(tokenizer: Any, history: list[int], content: str, eos_token_ids: Collection[int],
+                  chat_template: str | None = None) -> list[int]:
+    """history (prompt + reply of the last turn, exactly as generated: a reasoning model's thinking
+    included, markers and all) + the new user turn through `chat_template` (None: the model's)."""
+    return continue_history(tokenizer, history, [{"role": "user", "content": content}], eos_token_ids,
+                            chat_template=chat_template)
 
 
 def first_tool_turn_ids(processor: InputProcessor, system_prompt: str | None, messages: list[dict[str, Any]],

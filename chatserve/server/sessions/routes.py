@@ -144,8 +144,10 @@ async def post_message(request: Request) -> Response:
             return TurnPrompt(ids, stored_user_text(body))
         assert body.content is not None
         if history:
-            return TurnPrompt(next_turn_ids(engine.tokenizer, history, body.content, engine.eos_token_ids), body.content)
-        return TurnPrompt(first_turn_ids(engine.input_processor, session.system_prompt, body.content), body.content)
+            return TurnPrompt(next_turn_ids(engine.tokenizer, history, body.content, engine.eos_token_ids,
+                                            ctx.chat_template), body.content)
+        return TurnPrompt(first_turn_ids(engine.input_processor, session.system_prompt, body.content, ctx.chat_template),
+                          body.content)
 
     return await _run_turn(request, body, plan, param="content")
 

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from chatserve.config import EngineArgs
 from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -72,7 +73,7 @@ def _case(ext, seqs: list[tuple[int, int]], block: int, repeat: int) -> tuple[fl
 
 
 def main() -> None:
-    tiered = [t.name for t in supported_tiers() if t.tiered]
+    tiered = [t.name for t in supported_tiers(cap=EngineArgs.from_env().max_cpu_tier) if t.tiered]
     parser = argparse.ArgumentParser()
     parser.add_argument("--tier", default=tiered[0] if tiered else "avx2", choices=[n for n, t in TIERS.items() if t.tiered])
     parser.add_argument("--block-size", type=int, default=16)

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from chatserve.config import EngineArgs
 from chatserve.kernels.build import CSRC, build_extension
 from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers, tier_source
 
@@ -120,7 +121,7 @@ def main() -> None:
     parser.add_argument("--define", action="append", default=[], help="NAME=VALUE tuning macro (rebuilds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    names = args.tier or [t.name for t in supported_tiers() if t.tiered]
+    names = args.tier or [t.name for t in supported_tiers(cap=EngineArgs.from_env().max_cpu_tier) if t.tiered]
     for name in names:
         bench_tier(name, args.define, args.rows)
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from chatserve.config import EngineArgs  # noqa: E402
 from chatserve.kernels.cpu_quant import BLOCK_VALUES, QTYPE_INT8_CHANNEL, load_quant_kernels  # noqa: E402
 from chatserve.kernels.tiers import supported_tiers  # noqa: E402
 
@@ -129,7 +130,7 @@ def sweep(quant, rows: list[int], repeats: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    best = supported_tiers()
+    best = supported_tiers(cap=EngineArgs.from_env().max_cpu_tier)
     ap.add_argument("--tier", default=best[0].name if best else "auto", help="default: the best tier this CPU runs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q6_K,INT8")

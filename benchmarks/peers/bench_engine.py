@@ -18,7 +18,7 @@ its own prompts, so chatserve's prefix cache (on, the engine default; --no-prefi
 can only reuse the shared chat-template/system-prompt prefix, never a whole earlier prompt.
 
 Method:
-  * chatserve  `AsyncLLMEngine.from_engine_args(EngineArgs(dtype, num_threads=T, max_num_seqs=max(levels)))`,
+  * chatserve  `AsyncLLMEngine.from_engine_args(EngineArgs.from_env(dtype, num_threads=T, max_num_seqs=max(levels)))`,
                one warm-up round, then per level the N requests under an asyncio.Semaphore(C): a new
                request starts as soon as one finishes (closed loop, C in flight). Each request streams
                `output_kind="delta"`; the client timestamps every delta. tok/s = N*M / wall time of
@@ -183,7 +183,7 @@ async def _cs_main(spec: dict[str, Any], res: dict[str, Any]) -> None:
     model = bc.ModelRef(**spec["model"])
     max_level = max(lv["concurrency"] for lv in spec["levels"])
     t0 = time.perf_counter()
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_env(
         model=model.path, dtype=spec["dtype"], num_threads=spec["threads"], max_num_seqs=max_level,
         enable_prefix_caching=spec["prefix_caching"]))
     res["load_s"] = time.perf_counter() - t0

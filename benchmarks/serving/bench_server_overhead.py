@@ -68,7 +68,7 @@ async def run_engine(engine, texts: list[str], max_tokens: int) -> tuple[int, fl
 def engine_alone(args, threads: int | None) -> dict:
     from chatserve import AsyncLLMEngine, EngineArgs
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(num_threads=threads, max_model_len=2048,
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_env(num_threads=threads, max_model_len=2048,
                                                         enable_prefix_caching=False))
     texts = prompts(args.concurrency)
 

@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from chatserve.engine.async_engine import AsyncLLMEngine
 from chatserve.reasoning import detect_reasoning_parser, reasoning_parser_named
+from chatserve.reasoning.signature import ReasoningSigner
 from chatserve.server.cancel_bus import CancelBus
 from chatserve.server.errors import APIError
 from chatserve.server.metrics import ServerMetrics
@@ -61,7 +62,11 @@ class ServerContext:
     """The reasoning parser replies are split by (--reasoning-parser, else found from the chat template's
     markers), resolved once here; None: the model does not reason, as far as the server knows."""
 
+    reasoning_signer: ReasoningSigner = field(init=False, repr=False)
+    """Signs and seals the reasoning given to clients (--reasoning-signing-key, else a random key)."""
+
     def __post_init__(self) -> None:
+        self.reasoning_signer = ReasoningSigner.from_key(self.settings.reasoning_signing_key)
         self.reasoning_parser = resolve_reasoning_parser(
             self.settings.reasoning_parser, self.chat_template or getattr(self.engine.tokenizer, "chat_template", None))
 

@@ -70,6 +70,11 @@ class ServerSettings:
                 "the answer and reasoning_effort is refused (default: found from the chat template's markers; "
                 "none for a template without them). Forcing one works on any template, the default model's "
                 "included (docs/reasoning.md)"})
+    reasoning_signing_key: str | None = field(default=None, metadata={
+        "help": "the secret that signs the reasoning handed to clients (Messages thinking blocks' signature, "
+                "Responses reasoning items' encrypted_content) so that what comes back is rendered only if this "
+                "server produced it; replicas behind one router must share it (default: a random key per "
+                "process: reasoning from another replica or an earlier run is refused)", "secret": True})
     serve_web: bool = field(default=True, metadata={"help": "serve the browser client at /", "aliases": ("--web",)})
     instance_id: str | None = field(default=None, metadata={
         "help": "this replica's name in every response's X-Chatserve-Instance header, so a client behind a router "

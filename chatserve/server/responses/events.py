@@ -10,11 +10,21 @@ non-streaming body is that same list, so a streamed and a whole reply cannot dif
 are exactly the openai SDK's (openai/types/responses/), whose `client.responses.stream` checks every
 event against what came before it.
 
+A reasoning model's thinking (the engine's `reasoning` deltas, split from the answer by the
+server's reasoning parser) is one `reasoning` item before the message and the calls:
+`response.output_item.added`, `response.content_part.added` (a `reasoning_text` part),
+`response.reasoning_text.delta` as it is generated, then `response.reasoning_text.done`,
+`response.content_part.done` and `response.output_item.done` as soon as the answer begins (or the
+reply ends). Its `summary` is empty (no summary is written; `content` holds the text whole) and,
+when the request includes `reasoning.encrypted_content`, the finished item carries the text sealed
+by the server's key (chatserve/reasoning/signature.py), which a later request may send back.
+
 Events leave without `sequence_number`; `Sequencer` numbers them once, where they are emitted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from chatserve.server.chat.tool_request import ToolPlan
@@ -36,8 +46,12 @@ class Sequencer:
 
 
 class OutputBuilder:
-    def __init__(self, plan: ToolPlan | None) -> None:
+    def __init__(self, plan: ToolPlan | None, seal: Callable[[str], str] | None = None) -> None:
+        """`seal`: makes a finished reasoning item's `encrypted_content` (None: the request did not include it)."""
         self.output: list[dict[str, Any]] = []
+        self._seal = seal
+        self._reasoning: dict[str, Any] | None = None  # the open reasoning item, if any
+        self._reasoning_text: list[str] = []
         self._parser: ToolCallStreamParser | None = plan.parser() if plan is not None and plan.parses_calls else None
         self._message: dict[str, Any] | None = None  # the open message item, if any
         self._text: list[str] = []
@@ -47,18 +61,61 @@ class OutputBuilder:
     def called_tools(self) -> bool:
         return any(item["type"] == "function_call" for item in self.output)
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str, reasoning: str | None = None) -> list[dict[str, Any]]:
+        """One delta of the reply: its reasoning (first, as the engine produced it), then its answer text."""
+        out = self._reasoning_events(reasoning) if reasoning else []
         if not text:
-            return []
+            return out
+        out += self._close_reasoning("completed")  # the answer began: the reasoning is whole
         if self._parser is None:
-            return self._text_events(text)
-        return self._events(self._parser.feed(text))
+            return out + self._text_events(text)
+        return out + self._events(self._parser.feed(text))
 
     def finish(self, item_status: str = "completed") -> list[dict[str, Any]]:
         """Flush the parser and close what is open; `item_status` "incomplete" for a cut-off reply."""
         truncated = item_status == "incomplete"
-        events = self._events(self._parser.finish(truncated)) if self._parser is not None else []
+        events = self._close_reasoning(item_status)
+        events += self._events(self._parser.finish(truncated)) if self._parser is not None else []
         return events + self._close_message(item_status)
+
+    # ---- reasoning --------------------------------------------------------------------------------
+    def _reasoning_events(self, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self._reasoning is None:
+            out += self._close_message("completed")  # (reasoning after an answer: a new item, in order)
+            item = {"id": new_item_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                    "status": "in_progress"}
+            self._reasoning = item
+            self._reasoning_text = []
+            self.output.append(item)
+            index = len(self.output) - 1
+            out.append({"type": "response.output_item.added", "output_index": index, "item": _copy(item)})
+            out.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "part": _reasoning_part("")})
+        self._reasoning_text.append(text)
+        out.append({"type": "response.reasoning_text.delta", "item_id": self._reasoning["id"],
+                    "output_index": self.output.index(self._reasoning), "content_index": 0, "delta": text})
+        return out
+
+    def _close_reasoning(self, status: str) -> list[dict[str, Any]]:
+        item = self._reasoning
+        if item is None:
+            return []
+        self._reasoning = None
+        index = self.output.index(item)
+        text = "".join(self._reasoning_text)
+        part = _reasoning_part(text)
+        item["content"] = [part]
+        item["status"] = status
+        if self._seal is not None:
+            item["encrypted_content"] = self._seal(text)
+        return [
+            {"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index, "content_index": 0,
+             "text": text},
+            {"type": "response.content_part.done", "item_id": item["id"], "output_index": index, "content_index": 0,
+             "part": dict(part)},
+            {"type": "response.output_item.done", "output_index": index, "item": _copy(item)},
+        ]
 
     # ---- items ----------------------------------------------------------------------------------
     def _events(self, parsed: list[StreamEvent]) -> list[dict[str, Any]]:
@@ -133,13 +190,17 @@ class OutputBuilder:
         ]
 
 
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
     """A snapshot of an item as it is now (it changes as the reply goes on)."""
-    return {k: ([dict(p) for p in v] if k == "content" else v) for k, v in item.items()}
+    return {k: ([dict(p) for p in v] if k in ("content", "summary") else v) for k, v in item.items()}
 
 
 def output_text(output: list[dict[str, Any]]) -> str:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
+from chatserve.reasoning import budget_for_effort
 from chatserve.server.chat.protocol import (
     CallArguments,
     FunctionDefinition,
@@ -77,7 +78,7 @@ def _known_keys(cls: type[StrictModel]) -> frozenset[str]:
     return keys
 
 
-INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TOOL_TYPES = ("function",)
 
 
@@ -177,6 +178,40 @@ class FunctionCallOutputItem(StrictModel):
         return "".join(p.text if isinstance(p, InputText) else p.refusal for p in self.output)
 
 
+class ReasoningTextPart(StrictModel):
+    model_config = _LENIENT
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryTextPart(StrictModel):
+    model_config = _LENIENT
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    """An earlier reply's reasoning sent back: rendered as the next assistant turn's `reasoning_content`.
+
+    Its text is the `encrypted_content` this server sealed (authenticated: an edited or foreign value is
+    a 400 naming it), else its `content` as sent; a summary alone is not the reasoning and renders nothing.
+    """
+
+    model_config = _LENIENT
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: Annotated[list[SummaryTextPart], Field(fail_fast=True)] = []
+    content: Annotated[list[ReasoningTextPart], Field(fail_fast=True)] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    def text(self) -> str | None:
+        """The reasoning as sent in `content` (None: no content parts)."""
+        if not self.content:
+            return None
+        return "".join(p.text for p in self.content)
+
+
 def _item_kind(v: Any) -> str | None:
     if isinstance(v, dict):
         return v.get("type", "message")  # an EasyInputMessage has no "type"
@@ -185,7 +220,7 @@ def _item_kind(v: Any) -> str | None:
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] |
-    Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -240,6 +275,37 @@ class TextConfig(ForbidModel):
     verbosity: str | None = None
 
 
+class ReasoningParam(ForbidModel):
+    """`reasoning`: how much the model may think (`effort`, through the budget table of
+    chatserve/reasoning/budget.py) and the summary a client asks for, accepted as vLLM accepts it:
+    no summary is written (a reasoning item's `summary` is empty; its `content` has the text whole)."""
+
+    refused: ClassVar[Mapping[str, Refusal]] = {
+        "context": (_one_of("auto"), "reasoning.context (which earlier reasoning renders is the chat template's choice)"),
+        "mode": (_one_of("standard"), "reasoning.mode other than standard"),
+    }
+    model_config = _FORBID
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (the older name of summary)
+    context: Any = None
+    mode: Any = None
+
+    @field_validator("effort")
+    @classmethod
+    def _known_effort(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                budget_for_effort(value, api="responses")
+            except ValueError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+
+INCLUDABLE = ("reasoning.encrypted_content",)
+"""What `include` may ask for: the reasoning items' sealed text (the rest of OpenAI's list needs its hosted tools)."""
+
+
 class StreamOptions(ForbidModel):
     model_config = _FORBID
     include_obfuscation: bool = False  # padding against length side channels: we send none either way
@@ -247,9 +313,6 @@ class StreamOptions(ForbidModel):
 
 # Responses fields that would change the reply and are not served (unless neutral).
 REFUSED_RESPONSES: Mapping[str, Refusal] = {
-    "include": (_unset, "include (no reasoning, search or logprob extras are produced)"),
-    "reasoning": (lambda v: _unset(v) or v == {"effort": None} or v == {"effort": None, "summary": None},
-                  "reasoning (this model does not reason)"),
     "prompt": (_unset, "prompt templates"),
     "conversation": (_unset, "conversations (chain responses with previous_response_id)"),
     "max_tool_calls": (_unset, "max_tool_calls"),
@@ -290,10 +353,11 @@ class ResponsesRequest(ForbidModel):
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    # the include/reasoning/... fields of REFUSED_RESPONSES: declared so that forbid does not pre-empt
+    # reasoning models (docs/reasoning.md): the effort, and the reasoning items' sealed text
+    reasoning: ReasoningParam | None = None
+    include: Annotated[list[str], Field(fail_fast=True)] | None = None
+    # the prompt/conversation/... fields of REFUSED_RESPONSES: declared so that forbid does not pre-empt
     # the refusal's clearer message; only their neutral values ever get here
-    include: Annotated[list[Any], Field(fail_fast=True)] | None = None
-    reasoning: dict[str, Any] | None = None
     prompt: Any = None
     conversation: Any = None
     max_tool_calls: int | None = None
@@ -316,7 +380,7 @@ class ResponsesRequest(ForbidModel):
     @field_validator("input", mode="before")
     @classmethod
     def _known_item_types(cls, value: Any, info: ValidationInfo) -> Any:
-        """An item type we cannot take (reasoning, web search calls, item_reference, ...) by its name."""
+        """An item type we cannot take (web search calls, item_reference, ...) by its name."""
         check_length(value, info, "max_messages", "input items")
         if isinstance(value, list):
             for i, item in enumerate(value):
@@ -327,6 +391,20 @@ class ResponsesRequest(ForbidModel):
                     raise field_error(f"{i}.type", f"input items of type {str(kind)[:40]!r} are not supported; "
                                                    f"send {', '.join(INPUT_ITEM_TYPES)}", "unsupported_field")
         return value
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, value: list[str] | None) -> list[str] | None:
+        for i, name in enumerate(value or []):
+            if name not in INCLUDABLE:
+                raise field_error(str(i), f"include {name[:60]!r} is not produced by this server; it can include "
+                                          f"{', '.join(INCLUDABLE)}", "unsupported_field")
+        return value
+
+    @property
+    def include_sealed_reasoning(self) -> bool:
+        """`include: ["reasoning.encrypted_content"]`: reasoning items carry their sealed text."""
+        return "reasoning.encrypted_content" in (self.include or [])
 
     @field_validator("metadata", mode="before")
     @classmethod

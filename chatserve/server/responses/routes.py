@@ -30,7 +30,7 @@ from chatserve.server.chat.tool_request import ToolPlan, conversation, plan_tool
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, JSONResponse, bad_request
 from chatserve.server.http_input import parse_model_off_loop, query_limit, read_body
-from chatserve.server.pipeline import FieldNames, ServeSpec, ServingAdapter, serve
+from chatserve.server.pipeline import FieldNames, ReasoningRequest, ServeSpec, ServingAdapter, serve
 from chatserve.server.responses.input import chat_messages, clean_param, input_items
 from chatserve.server.responses.protocol import ResponsesRequest
 from chatserve.server.responses.run import TERMINAL, ResponseRun
@@ -81,7 +81,8 @@ async def _read_body(request: Request, ctx: ServerContext) -> ResponsesRequest:
 async def _prompt_ids(ctx: ServerContext, body: ResponsesRequest, plan: ToolPlan | None) -> tuple[list[int], str | None]:
     """The prompt's exact token ids and the instructions the response reports."""
     if body.previous_response_id is None:  # (rendering and tokenizing run off the event loop)
-        return await ctx.off_loop(lambda: chat_prompt_ids(ctx, chat_messages(body), True, None, plan)), body.instructions
+        chat = chat_messages(body, ctx.reasoning_signer)  # (a tampered encrypted_content: 400 before any work)
+        return await ctx.off_loop(chat_prompt_ids, ctx, chat, True, None, plan), body.instructions
     prev_id = body.previous_response_id
     with store_errors():
         prev = await _store(ctx).get(prev_id) if is_valid_response_id(prev_id) else None
@@ -102,7 +103,7 @@ async def _prompt_ids(ctx: ServerContext, body: ResponsesRequest, plan: ToolPlan
         raise bad_request("instructions differ from those the previous response's conversation began with; "
                           "send the same instructions (or none) when continuing with previous_response_id",
                           param="instructions")
-    messages = conversation(chat_messages(body, with_instructions=False))
+    messages = conversation(chat_messages(body, ctx.reasoning_signer, with_instructions=False))
     if len(messages) > ctx.settings.max_messages:
         raise bad_request(f"at most {ctx.settings.max_messages} input items are allowed", param="input")
     engine = ctx.engine
@@ -142,15 +143,18 @@ class ResponsesAdapter(ServingAdapter):
         plan = plan_tools(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls,
                           ctx.engine.input_processor, ctx.chat_template, ctx.settings.tool_call_parser)
         ids, instructions = await _prompt_ids(ctx, body, plan)
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        reasoning = ReasoningRequest(effort=effort, api="responses", param="reasoning.effort")
         return ServeSpec([ids], body.sampling_fields(), body.max_output_tokens, None, tools=plan,
-                         extra={"instructions": instructions})
+                         reasoning=reasoning, extra={"instructions": instructions})
 
     async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
         body, rid, policy = self.body, self.request_id, self.policy
         assert policy is not None
         run = ResponseRun(gen, body, spec.tools, response_id=rid, model=ctx.model_name,
                           prompt_ids=gen.prompts[0].prompt_token_ids, input_items=input_items(body), store=self.store,
-                          instructions=spec.extra["instructions"])
+                          instructions=spec.extra["instructions"],
+                          seal=ctx.reasoning_signer.seal if body.include_sealed_reasoning else None)
         try:
             with store_errors():
                 await run.save_start()

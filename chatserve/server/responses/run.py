@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from chatserve.engine.async_engine import EngineDeadError
@@ -39,13 +39,14 @@ _CANCELLED_BY = frozenset({"cancel_endpoint", "client_disconnect"})
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
-    """The Responses `usage`: input/output tokens, and how many input tokens the prefix cache served."""
+    """The Responses `usage`: input/output tokens (the reasoning's among them, as OpenAI counts them), and
+    how many input tokens the prefix cache served."""
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens,
                                  "cache_write_tokens": max(usage.prompt_tokens - usage.cached_tokens, 0)},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -53,7 +54,9 @@ def usage_object(usage: Usage) -> dict[str, Any]:
 class ResponseRun:
     def __init__(self, gen: Generation, body: ResponsesRequest, plan: ToolPlan | None, *, response_id: str,
                  model: str, prompt_ids: list[int], input_items: list[dict[str, Any]],
-                 store: ResponseStore | None, instructions: str | None) -> None:
+                 store: ResponseStore | None, instructions: str | None,
+                 seal: Callable[[str], str] | None = None) -> None:
+        """`seal`: the server's sealing of reasoning text, when the request includes `reasoning.encrypted_content`."""
         self.gen = gen
         self.body = body
         self.id = response_id
@@ -63,7 +66,7 @@ class ResponseRun:
         self.store = store if body.store else None
         self.instructions = instructions
         self.created_at = int(time.time())
-        self.builder = OutputBuilder(plan)
+        self.builder = OutputBuilder(plan, seal)
         self.seq = Sequencer()
         self.status = "queued" if body.background else "in_progress"
         self.error: dict[str, Any] | None = None
@@ -82,7 +85,7 @@ class ResponseRun:
             "max_output_tokens": b.max_output_tokens, "max_tool_calls": None, "model": self.model,
             "output": [dict(item) for item in self.builder.output] if self.status in TERMINAL else [],
             "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": b.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": b.store,
+            "reasoning": _reasoning(b), "service_tier": "default", "store": b.store,
             "temperature": 1.0 if b.temperature is None else b.temperature, "text": b.text_config(),
             "tool_choice": _tool_choice(b), "tools": [t.model_dump(exclude_none=False) for t in b.tools or []],
             "top_logprobs": 0, "top_p": 1.0 if b.top_p is None else b.top_p, "truncation": b.truncation,
@@ -123,7 +126,7 @@ class ResponseRun:
                         await self._save(final=False)
                         yield self.seq.number({"type": "response.in_progress", "response": self.snapshot()})
                     self._token_ids.extend(d.token_ids)
-                    for event in self.builder.feed(d.text):
+                    for event in self.builder.feed(d.text, d.reasoning):
                         yield self.seq.number(event)
                     if d.finish_reason:
                         finish_reason = d.finish_reason
@@ -178,6 +181,14 @@ class ResponseRun:
             else:
                 self.status = "failed"
                 self.error = {"code": "server_error", "message": f"the run was stopped ({reason})"}
+
+
+def _reasoning(body: ResponsesRequest) -> dict[str, Any]:
+    """The response object's `reasoning`: the effort and summary as asked (no summary is written)."""
+    r = body.reasoning
+    if r is None:
+        return {"effort": None, "summary": None}
+    return {"effort": r.effort, "summary": r.summary or r.generate_summary}
 
 
 def _tool_choice(body: ResponsesRequest) -> Any:

@@ -62,18 +62,20 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict, ProcessedPrompt)):
             prompts = [prompts]
-        # Every prompt is processed (and so refused) before any is added: a bad one leaves nothing behind.
-        processed = [self.engine.input_processor.process(p) for p in prompts]
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(processed)
+            params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(processed)
+            params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(processed):
-                raise ValueError(f"got {len(params_list)} sampling_params for {len(processed)} prompts")
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        # Every prompt is processed (and so refused) before any is added: a bad one leaves nothing behind.
+        processed = [self.engine.input_processor.process(p, truncate_prompt_tokens=params.truncate_prompt_tokens)
+                     for p, params in zip(prompts, params_list)]
         # Grammars too (compiled and cached now): a bad schema is a ValueError naming the field, before anything runs.
         for params in {id(p): p for p in params_list}.values():
+            self.engine.input_processor.check_params(params)  # token ids, priority, bad words
             self.engine.check_structured_outputs(params)
         return self._run(processed, params_list)
 

@@ -8,14 +8,18 @@ Order of operations (vLLM / Hugging Face):
 2. the grammar mask (structured outputs): on rows with a grammar matcher, every
    token the grammar cannot take next gets ``-inf`` (one batched bitmask; other
    rows are not touched, so they stay bit-identical);
-3. penalties: repetition (HF style, over prompt + output), then frequency and
+3. the request's token rules (vLLM's logits processors): ``allowed_token_ids``
+   (every other token ``-inf``), ``bad_words`` (a word's last token ``-inf``
+   when the output ends in the tokens before it), ``logit_bias`` (added to the
+   logit); each on its own row only;
+4. penalties: repetition (HF style, over prompt + output), then frequency and
    presence (OpenAI style, over output only);
-4. ``min_tokens``: stop tokens (and EOS unless ``ignore_eos``) are masked while
+5. ``min_tokens``: stop tokens (and EOS unless ``ignore_eos``) are masked while
    a request is still short of its minimum (not on grammar rows: there the
    grammar decides when the output may end, and masking its only allowed token
    would leave nothing to sample);
-5. greedy rows take the argmax of the penalised logits;
-6. other rows: temperature, top-k, top-p, min-p, then one draw per row.
+6. greedy rows take the argmax of the penalised logits;
+7. other rows: temperature, top-k, top-p, min-p, then one draw per row.
 
 Excluded tokens get a logit of ``-inf`` and therefore a probability of exactly
 0; sampling inverts the CDF, which is flat over such tokens, so an excluded
@@ -205,6 +209,49 @@ def apply_penalties(
         flat.index_add_(0, keys, -tensors.frequency_penalties[keys // vocab])
         present = keys.unique()
         flat.index_add_(0, present, -tensors.presence_penalties[present // vocab])
+    return out
+
+
+def banned_by_bad_words(bad_words_token_ids: Sequence[Sequence[int]], output: Sequence[int] | torch.Tensor) -> list[int]:
+    """vLLM's bad-words rule for one row: a word's last token is banned when the output so far ends in the
+    word's other tokens (a one-token word is always banned)."""
+    tail = output.tolist() if isinstance(output, torch.Tensor) else list(output)
+    banned = []
+    for word in bad_words_token_ids:
+        before = len(word) - 1
+        if before > len(tail):
+            continue
+        if before == 0 or tail[-before:] == list(word[:before]):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_token_rules(
+    logits: torch.Tensor, params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int] | torch.Tensor]
+) -> torch.Tensor:
+    """allowed_token_ids, then bad_words, then logit_bias, on the rows that set them (a new tensor when
+    any does). Each touches only its own row's entries, by index: no reduction over the batch, so a
+    row's values do not depend on what else is in it."""
+    rows = [i for i, p in enumerate(params) if p.has_token_rules]
+    if not rows:
+        return logits
+    out = logits.clone()
+    neg_inf = float("-inf")
+    for i in rows:
+        p = params[i]
+        row = out[i]
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=out.device)
+            kept = row[allowed].clone()
+            row.fill_(neg_inf)
+            row[allowed] = kept
+        if p.bad_words_token_ids:
+            banned = banned_by_bad_words(p.bad_words_token_ids, output_token_ids[i])
+            if banned:
+                row[torch.tensor(banned, dtype=torch.long, device=out.device)] = neg_inf
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
     return out
 
 
@@ -488,13 +535,14 @@ class Sampler:
         if (
             not logprob_rows
             and not needs_min_tokens
-            and all(row_is_greedy(p) and not p.has_penalties for p in params)
+            and all(row_is_greedy(p) and not p.has_penalties and not p.has_token_rules for p in params)
         ):
             # Common case: one argmax over the batch, no parameter tensors built.
             return SampleResult(token_ids=greedy_tokens(masked).tolist(), logprobs=[None] * batch)
 
         tensors = SamplingTensors.from_params(params, device=raw.device)
-        work = apply_penalties(masked, tensors, prompt_token_ids, output_token_ids)
+        work = apply_token_rules(masked, params, output_token_ids)
+        work = apply_penalties(work, tensors, prompt_token_ids, output_token_ids)
         if needs_min_tokens:
             work = apply_min_tokens(work, params, output_token_ids, eos_token_ids, exempt_rows=grammar_rows)
 

@@ -7,8 +7,9 @@ to its :class:`~chatserve.reasoning.splitter.ReasoningSplitter` and says, throug
 
 - inside the reasoning: none (the model thinks freely; a request's grammar waits, not advanced);
 - the budget spent: :class:`~chatserve.structured.forced.ForcedTokens` over the end marker's tokens;
-- after the end marker (or from the start when the prompt opened no reasoning): the request's own
-  grammar (structured outputs, forced tool calls), if any.
+- after the end marker: the request's own grammar (structured outputs, forced tool calls), if any;
+  when the prompt opened no reasoning block, that grammar is on from the first token
+  (:attr:`ReasoningTracker.grammar_from_start`).
 
 Everything is per sequence, so a request gives the same tokens alone or batched.
 """
@@ -50,11 +51,17 @@ class ReasoningTracker:
         """The matcher for the sequence's next token (``Sequence.grammar``), or None."""
         if self.forced is not None:
             return self.forced
-        if self.in_answer or (self.splitter.phase is Phase.START and not self.config.starts_in_reasoning):
-            # NOTE: a prompt that opened no reasoning block leaves the grammar on from the first token
-            # (a constrained reply then has no reasoning): a token cannot be taken back once sampled.
+        if self.in_answer or self.grammar_from_start:
             return self.answer_grammar
         return None
+
+    @property
+    def grammar_from_start(self) -> bool:
+        """A prompt that opened no reasoning block leaves the request's grammar on from the first token,
+        over the whole output: whether the model opens a block is not known before its first tokens, and
+        a token cannot be taken back once sampled. The grammar then decides the shape (a regex may write
+        the block itself); no end marker is forced against it."""
+        return not self.config.starts_in_reasoning and self.answer_grammar is not None
 
     def with_answer_grammar(self, grammar: Any) -> Any:
         """Hold the request's compiled grammar until the answer starts; returns ``grammar_now()``."""
@@ -96,7 +103,7 @@ class ReasoningTracker:
 
     def _check_budget(self) -> None:
         budget = self.config.budget_tokens
-        if budget is None or self.forced is not None or self.in_answer:
+        if budget is None or self.forced is not None or self.in_answer or self.grammar_from_start:
             return
         if self.splitter.phase is Phase.REASONING and self.num_reasoning_tokens >= budget:
             self.forced = ForcedTokens(self.end_token_ids)

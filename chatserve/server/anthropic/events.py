@@ -5,7 +5,12 @@
 be part of a call opens (or continues) a `text` block at once, a call becomes a `tool_use` block:
 `content_block_start` (its id and name, `input: {}`) as soon as its name is known, an
 `input_json_delta` for each piece of its arguments' JSON as it is generated, `content_block_stop`
-when the call ends (then the block's `input` is the arguments parsed). The non-streaming body is the
+when the call ends (then the block's `input` is the arguments parsed). A reasoning model's thinking
+(the engine's `reasoning` deltas) is a `thinking` block before them: `content_block_start` with
+`{"type": "thinking", "thinking": "", "signature": ""}`, a `thinking_delta` per piece, then a
+`signature_delta` with the server's signature of the whole text and `content_block_stop` as soon as
+the answer begins (with `display: "omitted"`: no deltas, and a signature that seals the text, so
+that the block sent back still renders). The non-streaming body is the
 blocks those same events built, so both ways give the same content. `stop_reason` follows Anthropic:
 `end_turn`, `stop_sequence` (with the matched `stop_sequence`), `max_tokens`,
 `model_context_window_exceeded` (the context, not the budget, ended the reply) and `tool_use` (each
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,8 +98,13 @@ class MessageBuilder:
     message_id: str
     model: str
     plan: ToolPlan | None
+    signature: Callable[[str], str] | None = None
+    """Signs a finished thinking block's text (the context's `ReasoningSigner.sign`, or `.seal` when omitted)."""
+    omit_thinking: bool = False
+    """`thinking.display: "omitted"`: the block's text is left out (its signature carries it)."""
     blocks: list[dict[str, Any]] = field(default_factory=list)
     _open_text: bool = False
+    _thinking: list[str] | None = None  # the open thinking block's text so far
     _parser: ToolCallStreamParser | None = None
     _call_blocks: dict[int, int] = field(default_factory=dict)  # a call's index -> its block's
 
@@ -111,17 +122,48 @@ class MessageBuilder:
                 "content": [dict(b) for b in self.blocks] if content else [], "stop_reason": stop,
                 "stop_sequence": stop_sequence, "usage": usage.as_dict()}
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str, reasoning: str | None = None) -> list[dict[str, Any]]:
+        """One delta of the reply: its reasoning (first, as the engine produced it), then its answer text."""
+        out = self._thinking_events(reasoning) if reasoning else []
         if not text:
-            return []
+            return out
+        out += self._close_thinking()  # the answer began: the thinking is whole
         events: list[StreamEvent] = self._parser.feed(text) if self._parser is not None else [TextEvent(text)]
-        return self._blocks(events)
+        return out + self._blocks(events)
 
     def finish(self, truncated: bool) -> list[dict[str, Any]]:
+        out = self._close_thinking()
         events = self._parser.finish(truncated=truncated) if self._parser is not None else []
-        out = self._blocks(events)
+        out += self._blocks(events)
         out += self._close_text()
         return out
+
+    def _thinking_events(self, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self._thinking is None:
+            out += self._close_text()  # (thinking after an answer's text: a new block, in order)
+            self._thinking = []
+            self.blocks.append({"type": "thinking", "thinking": "", "signature": ""})
+            out.append({"type": "content_block_start", "index": len(self.blocks) - 1,
+                        "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+        self._thinking.append(text)
+        if not self.omit_thinking:
+            self.blocks[-1]["thinking"] += text
+            out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                        "delta": {"type": "thinking_delta", "thinking": text}})
+        return out
+
+    def _close_thinking(self) -> list[dict[str, Any]]:
+        if self._thinking is None:
+            return []
+        text = "".join(self._thinking)
+        self._thinking = None
+        index = len(self.blocks) - 1
+        signature = self.signature(text) if self.signature is not None else ""
+        self.blocks[index]["signature"] = signature
+        return [{"type": "content_block_delta", "index": index,
+                 "delta": {"type": "signature_delta", "signature": signature}},
+                {"type": "content_block_stop", "index": index}]
 
     def _close_text(self) -> list[dict[str, Any]]:
         if not self._open_text:

@@ -30,6 +30,7 @@ from chatserve.server.anthropic.protocol import (
     MessageParam,
     MessagesBase,
     TextBlock,
+    ThinkingBlock,
     ToolParam,
     ToolReferenceBlock,
     ToolResultBlock,
@@ -109,8 +110,13 @@ def _message_turns(m: MessageParam, deferred: dict[str, ToolParam], loaded: set[
     if m.role == "assistant":
         text = BLOCK_SEPARATOR.join(b.text for b in blocks if isinstance(b, TextBlock))
         turn: dict[str, Any] = {"role": "assistant", "content": text}
+        # thinking blocks (their signatures checked before rendering: thinking.with_verified_thinking) are
+        # the turn's reasoning, in the template's own variable; redacted_thinking is unreadable and left out
+        thoughts = [b.thinking for b in blocks if isinstance(b, ThinkingBlock)]
+        if thoughts:
+            turn["reasoning_content"] = BLOCK_SEPARATOR.join(thoughts)
         calls = [b for b in blocks if isinstance(b, ToolUseBlock)]
-        if calls:  # (thinking blocks are not rendered: no reasoning parser yet, docs/anthropic.md)
+        if calls:
             turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.input}}
                                   for c in calls]
         return [turn]
@@ -209,9 +215,10 @@ def _final_prefill(body: MessagesBase) -> bool:
 
 
 def render(body: MessagesBase, processor: InputProcessor, chat_template: str | None,
-           *, with_breakpoints: bool = True, tool_parser: str | None = None) -> RenderedMessages:
+           *, with_breakpoints: bool = True, tool_parser: str | None = None,
+           template_kwargs: dict[str, Any] | None = None) -> RenderedMessages:
     """The request's exact prompt ids, its tool plan and where its cache_control breakpoints fall
-    (`tool_parser`: --tool-call-parser)."""
+    (`tool_parser`: --tool-call-parser; `template_kwargs`: variables for the template, `enable_thinking`)."""
     turns, loaded = conversation(body)
     plan = tool_plan(body, processor, chat_template, loaded, tool_parser)
     tools = plan.template_tools() if plan is not None else None
@@ -222,7 +229,7 @@ def render(body: MessagesBase, processor: InputProcessor, chat_template: str | N
         return processor.render_chat_text(fold_inline_system(conv) if fold else conv,
                                           add_generation_prompt=final and not continuing, chat_template=chat_template,
                                           tools=tools, param="messages", continue_final_message=final and continuing,
-                                          tool_parser=tool_parser)
+                                          tool_parser=tool_parser, **(template_kwargs or {}))
 
     try:
         text = text_of(turns, True)

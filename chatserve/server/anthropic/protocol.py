@@ -5,9 +5,11 @@ Infinity, JSON null meaning the default, ranges as Anthropic documents them (`te
 Content blocks are checked one by one with an error that names the block
 (`messages.2.content.1.type`), because a client that sends one unknown block type needs to know
 which. Fields that agents send and that change nothing here (`context_management`,
-`service_tier`, `container`, `mcp_servers`, `metadata`, and `thinking` / `output_config.effort`
-until a reasoning parser exists) are accepted and listed as ignored in docs/anthropic.md; any other
-unknown field is ignored too, as the OpenAI routes do.
+`service_tier`, `container`, `mcp_servers`, `metadata`; `thinking` and `output_config.effort` on a
+server whose model does not reason) are accepted and listed as ignored in docs/anthropic.md; any
+other unknown field is ignored too, as the OpenAI routes do. `thinking` follows Anthropic's rules
+(`budget_tokens` at least 1024 and below `max_tokens`), and `output_config.effort` must be a name of
+the budget table (chatserve/reasoning/budget.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from chatserve.reasoning import budget_for_effort
 from chatserve.server.chat.protocol import SchemaObject, StrictModel, check_length, field_error
 
 MAX_INT32 = 2**31 - 1
@@ -90,9 +93,12 @@ class ToolResultBlock(StrictModel):
 
 
 class ThinkingBlock(StrictModel):
+    """An earlier reply's thinking sent back; its `signature` (this server's, checked in
+    `thinking.thinking_text`) is what lets it render as the model's own reasoning."""
+
     type: Literal["thinking"]
     thinking: str
-    signature: str | None = None
+    signature: str
 
 
 class RedactedThinkingBlock(StrictModel):
@@ -183,18 +189,35 @@ class ToolChoiceParam(StrictModel):
         return self
 
 
+MIN_THINKING_BUDGET = 1024
+"""Anthropic's smallest `thinking.budget_tokens`."""
+
+
 class ThinkingParam(StrictModel):
-    """Accepted; until a reasoning parser exists it changes nothing (docs/anthropic.md)."""
+    """`enabled` (with `budget_tokens`: the engine ends the reasoning there), `adaptive` (the model's own
+    length, bounded by `output_config.effort` when sent) or `disabled` (the template's `enable_thinking`
+    off); `display: "omitted"` sends thinking blocks with empty text and a signature that still carries it.
+    Changes nothing on a server whose model does not reason (docs/anthropic.md)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Field(ge=1, le=MAX_INT32)] | None = None
+    budget_tokens: Annotated[int, Field(le=MAX_INT32)] | None = None
     display: Literal["summarized", "omitted"] | None = None
 
     @model_validator(mode="after")
     def _budget(self) -> ThinkingParam:
         if self.type == "enabled" and self.budget_tokens is None:
             raise field_error("budget_tokens", 'thinking {"type": "enabled"} needs budget_tokens')
+        if self.type == "enabled" and self.budget_tokens is not None and self.budget_tokens < MIN_THINKING_BUDGET:
+            raise field_error("budget_tokens", f"budget_tokens must be at least {MIN_THINKING_BUDGET}, got "
+                                               f"{self.budget_tokens}")
+        if self.type != "enabled" and self.budget_tokens is not None:
+            raise field_error("budget_tokens", f'budget_tokens belongs to thinking {{"type": "enabled"}}, not '
+                                               f'{self.type!r}')
         return self
+
+    @property
+    def omitted(self) -> bool:
+        return self.display == "omitted"
 
 
 class JsonOutputFormat(StrictModel):
@@ -203,8 +226,19 @@ class JsonOutputFormat(StrictModel):
 
 
 class OutputConfig(StrictModel):
-    effort: Literal["low", "medium", "high", "max"] | None = None  # accepted; changes nothing (no reasoning yet)
+    effort: str | None = None
+    """How long the model may think: a name of the budget table (chatserve/reasoning/budget.py)."""
     format: JsonOutputFormat | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _known_effort(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                budget_for_effort(value, api="messages")
+            except ValueError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
 
 class Metadata(StrictModel):
@@ -310,6 +344,14 @@ class MessagesRequest(MessagesBase):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=MAX_INT32)] | None = None
     metadata: Metadata | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        thinking = self.thinking
+        if thinking is not None and thinking.budget_tokens is not None and thinking.budget_tokens >= self.max_tokens:
+            raise field_error("thinking.budget_tokens", f"max_tokens ({self.max_tokens}) must be greater than "
+                                                        f"thinking.budget_tokens ({thinking.budget_tokens})")
+        return self
 
 
 class CountTokensRequest(MessagesBase):

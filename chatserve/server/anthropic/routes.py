@@ -24,8 +24,9 @@ from chatserve.core.cache_lease import CacheLease
 from chatserve.engine.async_engine import EngineDeadError
 from chatserve.server.anthropic.errors import anthropic_errors, error_event
 from chatserve.server.anthropic.events import AnthropicUsage, MessageBuilder, Ping, new_id, sse, stop_reason
-from chatserve.server.anthropic.prompt import Breakpoint, render
-from chatserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from chatserve.server.anthropic.prompt import Breakpoint, RenderedMessages, render
+from chatserve.server.anthropic.protocol import CountTokensRequest, MessagesBase, MessagesRequest
+from chatserve.server.anthropic.thinking import reasoning_request, template_kwargs, with_verified_thinking
 from chatserve.server.chat.choices import Accumulator
 from chatserve.server.chat.generation import Generation
 from chatserve.server.chat.params import check_stop_list
@@ -73,18 +74,20 @@ class MessagesAdapter(ServingAdapter):
 
     async def prepare(self, ctx: ServerContext) -> ServeSpec:
         body = self.body
-        rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template,  # off the loop
-                                      tool_parser=ctx.settings.tool_call_parser)
+        rendered = await ctx.off_loop(_render, ctx, body)  # off the loop
         if len(rendered.ids) >= ctx.max_model_len:
             raise _too_long(len(rendered.ids), ctx.max_model_len)
         leases = [CacheLease(bp.position, bp.ttl_s) for bp in rendered.breakpoints]
         return ServeSpec([rendered.ids], _sampling_fields(body), body.max_tokens, None, tools=rendered.plan,
-                         refuse_overflow=False, cache_leases=leases,
+                         refuse_overflow=False, cache_leases=leases, reasoning=reasoning_request(body, ctx.reasoning_parser),
                          extra={"breakpoints": rendered.breakpoints})
 
     async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
-        reply = MessageReply(ctx, gen, MessageBuilder(self.request_id, ctx.model_name, spec.tools),
-                             spec.extra["breakpoints"])
+        omit = self.body.thinking is not None and self.body.thinking.omitted
+        signer = ctx.reasoning_signer
+        builder = MessageBuilder(self.request_id, ctx.model_name, spec.tools,
+                                 signature=signer.seal if omit else signer.sign, omit_thinking=omit)
+        reply = MessageReply(ctx, gen, builder, spec.extra["breakpoints"])
         headers = {"request-id": self.request_id, "X-Request-Id": self.request_id}
         if self.body.stream:
             return sse_response(reply.events(), keepalive_s=ctx.settings.sse_keepalive_s, headers=headers,
@@ -92,6 +95,13 @@ class MessagesAdapter(ServingAdapter):
         acc = Accumulator(1)
         await collect_reply(request, gen, acc)
         return JSONResponse(reply.whole(acc), headers=headers)
+
+
+def _render(ctx: ServerContext, body: MessagesBase, with_breakpoints: bool = True) -> RenderedMessages:
+    """The prompt, once every thinking block's signature has been checked (a 400 naming it otherwise)."""
+    return render(with_verified_thinking(body, ctx.reasoning_signer), ctx.engine.input_processor, ctx.chat_template,
+                  with_breakpoints=with_breakpoints, tool_parser=ctx.settings.tool_call_parser,
+                  template_kwargs=template_kwargs(body))
 
 
 def _sampling_fields(body: MessagesRequest) -> SamplingFields:
@@ -161,7 +171,7 @@ class MessageReply:
                         if d.finish_reason == "error":
                             yield sse(error_event(500, f"generation failed: {d.error or 'unknown error'}", gen.request_id))
                             return
-                        for event in builder.feed(d.text):
+                        for event in builder.feed(d.text, d.reasoning):
                             yield sse(event)
                         if d.finish_reason:
                             self.finish_reason, self.matched = d.finish_reason, d.stop_reason
@@ -184,7 +194,7 @@ class MessageReply:
         choice = acc.choices[0]
         self.finish_reason = choice.finish_reason
         self.matched = choice.stop_reason
-        self.builder.feed(choice.content)
+        self.builder.feed(choice.content, choice.reasoning_text)
         self.builder.finish(truncated=choice.finish_reason == "length")
         reason, sequence = self._stop()
         return self.builder.message(self.usage(), reason, sequence)
@@ -205,8 +215,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = get_context(request)
     body = await read_model(request, CountTokensRequest, ctx.settings)
     ctx.check_model(body.model)
-    rendered = await ctx.off_loop(render, body, ctx.engine.input_processor, ctx.chat_template, with_breakpoints=False,
-                                  tool_parser=ctx.settings.tool_call_parser)
+    rendered = await ctx.off_loop(_render, ctx, body, False)
     return JSONResponse({"input_tokens": len(rendered.ids)})
 
 

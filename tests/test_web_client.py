@@ -896,3 +896,108 @@ def test_session_turns_and_their_cancel_carry_x_session_id(page: Any, base_url: 
     assert cancels and all(c["headers"].get("x-session-id") == sid for c in cancels), cancels
     reads = [c for c in calls if f"/v1/sessions/{sid}" in c["url"]]
     assert all(c["headers"].get("x-session-id") == sid for c in reads), reads
+
+
+# ---------------------------------------------------------------------------------------------
+# Reasoning: a server whose engine says a reply in the reasoning-then-answer shape with exact text
+# (the real engine over the scripted worker, tests/helpers/reasoning.py), with Qwen3's thinking
+# template, so the qwen3 parser splits it; one scripted step every 20 ms so the reasoning streams.
+
+WEB_REASONING = "first i look at the question then i think about colours and then i answer briefly"
+WEB_ANSWER = "Red and **blue**."
+
+
+@pytest.fixture(scope="module")
+def reasoning_url(smollm_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import threading
+
+    import uvicorn
+
+    from chatserve.server import ServerSettings, create_app
+    from chatserve.sessions import InMemorySessionStore
+
+    from .helpers.fake_engine import FakeEngine
+    from .helpers.net import free_port
+    from .helpers.reasoning import qwen3_thinking_template, reasoning_reply
+
+    template = tmp_path_factory.mktemp("reasoning") / "qwen3_thinking.jinja"
+    template.write_text(qwen3_thinking_template(), encoding="utf-8")
+    engine = FakeEngine(smollm_tokenizer, reply=reasoning_reply(WEB_REASONING, WEB_ANSWER), max_model_len=1024)
+    step = engine.worker.execute
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    engine.worker.execute = slow_step  # type: ignore[method-assign]
+    app = create_app(engine, InMemorySessionStore(), ServerSettings(chat_template=str(template), serve_web=True))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "the reasoning server to start")
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+# Samples the newest reply's reasoning block every 10 ms: its text length and whether it is open.
+REASONING_SAMPLER = """
+window.__thinking = [];
+window.__thinkingSampler = setInterval(() => {
+  const blocks = document.querySelectorAll('[data-testid="assistant-message"] [data-testid="reasoning"]');
+  const b = blocks[blocks.length - 1];
+  if (!b || b.hidden) return;
+  const n = b.querySelector('[data-testid="reasoning-text"]').textContent.length;
+  const last = window.__thinking[window.__thinking.length - 1];
+  if (!last || last[0] !== n || last[1] !== b.open) window.__thinking.push([n, b.open]);
+}, 10);
+"""
+
+
+def test_reasoning_streams_into_a_folded_block_above_the_answer_and_comes_back_on_reload(
+        driver: Any, reasoning_url: str) -> None:
+    driver.get(reasoning_url)
+    driver.execute_script("localStorage.clear();")
+    driver.get(reasoning_url)
+    wait_until(lambda: driver.execute_script("return document.documentElement.dataset.ready === '1'"), 10, "page ready")
+    driver.execute_script(REASONING_SAMPLER)
+    type_and_send(driver, "Name two colours.")
+    reply = wait_reply_done(driver, timeout=60)
+    seen = driver.execute_script("clearInterval(window.__thinkingSampler); return window.__thinking")
+    # streamed as it came: the block was open and its text grew in several steps before it folded
+    growing = [n for n, is_open in seen if is_open]
+    assert len(growing) >= 3 and growing == sorted(growing), seen
+    assert seen[-1] == [len(WEB_REASONING), False], seen
+
+    def shown(reply: WebElement) -> tuple[str, str, str | None, str]:
+        block = reply.find_element(By.CSS_SELECTOR, '[data-testid="reasoning"]')
+        text = block.find_element(By.CSS_SELECTOR, '[data-testid="reasoning-text"]').get_attribute("textContent")
+        body = reply.find_element(By.CSS_SELECTOR, ".msg-body")
+        above = driver.execute_script(
+            "return arguments[0].compareDocumentPosition(arguments[1]) & Node.DOCUMENT_POSITION_FOLLOWING", block, body)
+        assert above, "the reasoning block is above the answer"
+        return text, body.text, block.get_attribute("open"), block.find_element(By.TAG_NAME, "summary").text
+
+    text, answer, is_open, summary = shown(reply)
+    assert (text, answer, is_open, summary) == (WEB_REASONING, "Red and blue.", None, "Thought")
+    assert reply.find_elements(By.CSS_SELECTOR, ".msg-body strong")[0].text == "blue"  # the answer is Markdown
+    assert "think>" not in answer and WEB_REASONING not in answer
+    sid = session_id_from_url(driver)
+    status, stored = _request("GET", reasoning_url + f"v1/sessions/{sid}")
+    assert status == 200 and stored["messages"][1]["reasoning"] == WEB_REASONING
+    shot(driver, "reasoning-live")
+
+    driver.refresh()  # a reload: the reply comes back from the session store, its reasoning folded above it
+    wait_until(lambda: driver.execute_script("return document.documentElement.dataset.ready === '1'"), 10, "page ready")
+    reply = wait_until(lambda: by_testid(driver, "assistant-message"), 10, "the stored reply")[-1]
+    text, answer, is_open, summary = shown(reply)
+    assert (text, answer, is_open, summary) == (WEB_REASONING, "Red and blue.", None, "Thought")
+    block = reply.find_element(By.CSS_SELECTOR, '[data-testid="reasoning"]')
+    block.find_element(By.TAG_NAME, "summary").click()  # the user unfolds it
+    assert block.get_attribute("open") is not None
+    assert block.find_element(By.CSS_SELECTOR, '[data-testid="reasoning-text"]').text == WEB_REASONING
+    shot(driver, "reasoning-reloaded")
+    assert_no_dialogs(driver)

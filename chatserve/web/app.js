@@ -693,6 +693,7 @@ function typingDots() {
 function historyReply(msg, index) {
   const view = new ReplyView(index);
   view.text = msg.content || '';
+  view.reasoning = typeof msg.reasoning === 'string' ? msg.reasoning : '';
   view.toolCalls = Array.isArray(msg.tool_calls) ? msg.tool_calls : [];
   view.finish({ finishReason: msg.finish_reason, usage: msg.usage, stats: msg.stats });
   return view.el;
@@ -731,11 +732,41 @@ function toolCallBlock(call) {
   return el;
 }
 
-// One assistant reply: its text (safe Markdown, rendered once per frame while it streams), tool
-// calls folded, a status badge, a stats line and its actions (copy, regenerate).
+// A reasoning model's thinking, above the answer: a collapsible block, open while it streams (so it
+// is seen as it comes) and folded once the reply is done or when it comes from the stored session.
+// Plain text, never Markdown: it is the model's scratch work, shown as written.
+class ReasoningView {
+  constructor() {
+    this.el = document.createElement('details');
+    this.el.className = 'reasoning-block';
+    this.el.dataset.testid = 'reasoning';
+    this.el.hidden = true;
+    this.summary = document.createElement('summary');
+    this.summary.textContent = 'Thinking…';
+    this.body = document.createElement('div');
+    this.body.className = 'reasoning-body';
+    this.body.dataset.testid = 'reasoning-text';
+    this.el.append(this.summary, this.body);
+    this.touched = false; // the user opened or folded it: leave it as they set it
+    this.summary.addEventListener('click', () => { this.touched = true; });
+  }
+
+  set(text, { streaming }) {
+    this.el.hidden = !text;
+    if (this.body.textContent !== text) this.body.textContent = text;
+    this.summary.textContent = streaming ? 'Thinking…' : 'Thought';
+    if (!this.touched) this.el.open = streaming;
+  }
+}
+
+// One assistant reply: its reasoning (folded, above), its text (safe Markdown, rendered once per
+// frame while it streams), tool calls folded, a status badge, a stats line and its actions (copy,
+// regenerate).
 class ReplyView {
   constructor(index) {
     this.text = '';
+    this.reasoning = '';
+    this.thinking = new ReasoningView();
     this.toolCalls = [];
     this.el = document.createElement('article');
     this.el.className = 'msg assistant';
@@ -748,7 +779,7 @@ class ReplyView {
     this.foot = document.createElement('div');
     this.foot.className = 'msg-foot';
     this.foot.hidden = true;
-    this.el.append(this.body, this.tools, this.foot);
+    this.el.append(this.thinking.el, this.body, this.tools, this.foot);
     this.stream = new StreamingMarkdown(this.body, { onFrame: () => afterFrame(this) });
   }
 
@@ -758,6 +789,8 @@ class ReplyView {
   }
 
   update() {
+    this.thinking.set(this.reasoning, { streaming: !this.text && !this.toolCalls.length });
+    if (this.reasoning && !this.text) return; // still thinking: the dots stay until the answer begins
     this.stream.set(this.text);
     if (this.toolCalls.length) this.tools.replaceChildren(...this.toolCalls.map(toolCallBlock));
   }
@@ -765,6 +798,7 @@ class ReplyView {
   // finishReason: "stop" | "length" | "abort" | "tool_calls" | null; error: an Error shown under the text.
   finish({ finishReason = null, usage = null, timing = null, stats = null, error = null }) {
     this.el.classList.remove('streaming');
+    this.thinking.set(this.reasoning, { streaming: false });
     this.stream.text = this.text;
     this.stream.finish();
     this.tools.replaceChildren(...this.toolCalls.map(toolCallBlock));
@@ -793,8 +827,9 @@ class ReplyView {
       parts.push(span);
       this.statsEl = span;
     }
-    if (!this.text && !error && !this.toolCalls.length && finishReason === 'abort') {
-      this.body.replaceChildren(emptyNote('(stopped before any text)'));
+    if (!this.text && !error && !this.toolCalls.length) {
+      if (finishReason === 'abort') this.body.replaceChildren(emptyNote('(stopped before any text)'));
+      else if (this.reasoning) this.body.replaceChildren(emptyNote('(no answer after the reasoning)'));
     }
     this.foot.replaceChildren(...parts);
     this.foot.hidden = parts.length === 0;
@@ -1120,6 +1155,15 @@ async function runTurn(turn) {
     }
     for (const choice of (chunk && chunk.choices) || []) {
       const delta = choice.delta || {};
+      // a reasoning model's thinking (vLLM's `reasoning`, or the older `reasoning_content`)
+      const reasoning = typeof delta.reasoning === 'string' ? delta.reasoning : delta.reasoning_content;
+      if (typeof reasoning === 'string' && reasoning.length > 0) {
+        const now = performance.now();
+        if (timing.first === null) timing.first = now;
+        timing.last = now;
+        timing.deltas += 1;
+        turn.view.reasoning += reasoning;
+      }
       const content = delta.content;
       if (typeof content === 'string' && content.length > 0) {
         const now = performance.now();

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from chatserve.engine.input_processor import ProcessedPrompt
 from chatserve.engine.input_processor import apply_chat_template as apply_chat_template  # tests and scripts import it here
@@ -114,7 +114,9 @@ class LLM:
         """
         if not messages:
             raise ValueError("messages is empty")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations = cast(
+            list[Sequence[Message]], [messages] if isinstance(messages[0], dict) else list(messages)
+        )
         processor = self.engine.input_processor
         specs = [FunctionTool.from_openai(t) for t in tools or []]
         choice = ToolChoice.from_openai(tool_choice)

@@ -202,3 +202,14 @@ def test_default_model_with_deepseek_r1(llm_default):
     assert whole is not None
     assert (o.reasoning, o.text) == (whole["reasoning"], whole["answer"])
     assert 0 < o.num_reasoning_tokens < len(o.token_ids)
+
+
+def test_reasoning_sent_back_renders_through_the_template(tiny_qwen3):
+    """An assistant message's ``reasoning_content`` reaches the template (Qwen3's variable) through the
+    input processor: rendered for the turn being continued, dropped once a new user turn follows."""
+    processor = tiny_qwen3.engine.input_processor
+    turn = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello.", "reasoning_content": "they greet me"}]
+    assert "<think>\nthey greet me\n</think>\n\nHello." in processor.render_chat_text(turn)
+    later = processor.render_chat_text(turn + [{"role": "user", "content": "again"}])
+    assert "they greet me" not in later and later.endswith("<|im_start|>assistant\n<think>\n")

@@ -33,7 +33,7 @@ ANSWER = "Hello there, friend."
 MODEL = "fake-model"
 HEADERS = {"anthropic-version": "2023-06-01"}
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.timeout(60)]
 
 
 @pytest.fixture
@@ -78,6 +78,7 @@ def prompt_text(engine: FakeEngine, tokenizer: Any) -> str:
     return tokenizer.decode(engine.requests[-1].prompt.prompt_token_ids)
 
 
+@pytest.mark.anyio
 async def test_thinking_block_before_the_text_signed(engine, smollm_tokenizer, template_file) -> None:
     http, client = clients(app(engine, template_file))
     async with http:
@@ -91,6 +92,7 @@ async def test_thinking_block_before_the_text_signed(engine, smollm_tokenizer, t
     assert message.usage.output_tokens == len(engine.reply_ids) + 1
 
 
+@pytest.mark.anyio
 async def test_stream_thinking_events_and_sdk_accumulation(engine, template_file) -> None:
     http, client = clients(app(engine, template_file))
     async with http:
@@ -112,6 +114,7 @@ async def test_stream_thinking_events_and_sdk_accumulation(engine, template_file
     assert final.content[1].text == ANSWER
 
 
+@pytest.mark.anyio
 async def test_signature_round_trip_and_refusals(engine, smollm_tokenizer, template_file) -> None:
     http, client = clients(app(engine, template_file))
     async with http:
@@ -139,6 +142,7 @@ async def test_signature_round_trip_and_refusals(engine, smollm_tokenizer, templ
         assert len(engine.requests) == n  # nothing refused reached the engine
 
 
+@pytest.mark.anyio
 async def test_omitted_display_round_trips_through_the_signature(engine, smollm_tokenizer, template_file) -> None:
     http, client = clients(app(engine, template_file))
     async with http:
@@ -155,6 +159,7 @@ async def test_omitted_display_round_trips_through_the_signature(engine, smollm_
     assert f"<think>\n{REASONING}\n</think>\n\nThe answer is" in prompt_text(engine, smollm_tokenizer)
 
 
+@pytest.mark.anyio
 async def test_redacted_thinking_is_accepted_and_left_out(engine, smollm_tokenizer, template_file) -> None:
     http, client = clients(app(engine, template_file))
     async with http:
@@ -166,6 +171,7 @@ async def test_redacted_thinking_is_accepted_and_left_out(engine, smollm_tokeniz
     assert "opaque-secret" not in rendered and rendered.endswith("The answer is")
 
 
+@pytest.mark.anyio
 async def test_budget_rules_and_effort(engine, smollm_tokenizer, template_file) -> None:
     http, client = clients(app(engine, template_file))
     async with http:
@@ -191,6 +197,7 @@ async def test_budget_rules_and_effort(engine, smollm_tokenizer, template_file) 
     assert [b.type for b in message.content] == ["text"]
 
 
+@pytest.mark.anyio
 async def test_a_model_without_a_parser_ignores_thinking(smollm_tokenizer) -> None:
     """Claude Code sends `thinking` and an effort on every request: on a model that does not reason they
     change nothing (no 400), and the reply has no thinking block."""
@@ -201,3 +208,23 @@ async def test_a_model_without_a_parser_ignores_thinking(smollm_tokenizer) -> No
                                                       output_config={"effort": "medium"}))
     assert [b.type for b in message.content] == ["text"] and message.content[0].text == ANSWER
     assert engine.requests[-1].params.reasoning is None
+
+
+def test_signer_accepts_only_what_its_key_made() -> None:
+    """The signer alone: a signature is for one text under one key; a sealed value opens only under its
+    key and whole (cut, re-encoded or retagged: refused); a signature never passes as a sealed value."""
+    from chatserve.reasoning.signature import ReasoningSignatureError
+
+    signer, other = ReasoningSigner.from_key("k1"), ReasoningSigner.from_key("k2")
+    text = "a thought, with unicode: é 思"
+    sig = signer.sign(text)
+    assert signer.verify(sig, text) and not signer.verify(sig, text + " ") and not other.verify(sig, text)
+    assert not signer.verify(sig.removeprefix("csig1_"), text)
+    sealed = signer.seal(text)
+    assert signer.unseal(sealed) == text and text not in sealed
+    for bad in (sealed[:-4], sealed + "AAAA", "csrc1_!!!", sig, "csrc1_", other.seal(text)):
+        with pytest.raises(ReasoningSignatureError):
+            signer.unseal(bad)
+    assert ReasoningSigner.from_key(None).random_key and ReasoningSigner.from_key(None).sign(text) != sig
+    with pytest.raises(ValueError):
+        ReasoningSigner.from_key("")

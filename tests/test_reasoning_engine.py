@@ -213,3 +213,26 @@ def test_reasoning_sent_back_renders_through_the_template(tiny_qwen3):
     assert "<think>\nthey greet me\n</think>\n\nHello." in processor.render_chat_text(turn)
     later = processor.render_chat_text(turn + [{"role": "user", "content": "again"}])
     assert "they greet me" not in later and later.endswith("<|im_start|>assistant\n<think>\n")
+
+
+
+def test_no_drafts_while_a_sequence_reasons(smollm_tokenizer):
+    """Speculative decoding proposes nothing while a sequence reasons (a verified run of drafts could
+    pass the budget, and drafts crossing the end marker would skip the answer's grammar); it drafts
+    again once the answer starts."""
+    from types import SimpleNamespace
+
+    from chatserve.reasoning.tracker import ReasoningTracker
+    from chatserve.spec_decode.config import parse_speculative_config
+    from chatserve.spec_decode.proposer import make_proposer
+
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}')
+    proposer = make_proposer(config, max_model_len=512)
+    repeated = [11, 12, 13, 14, 15] * 6  # an n-gram the prompt-lookup drafter always matches
+    tracker = ReasoningTracker.for_request(ReasoningConfig("qwen3", 64, starts_in_reasoning=True), smollm_tokenizer)
+    seq = SimpleNamespace(seq_id=1, token_ids=repeated + [11, 12], num_prompt_tokens=len(repeated),
+                          num_tokens=len(repeated) + 2, num_output_tokens=2, grammar=None, reasoning=tracker,
+                          params=SamplingParams(max_tokens=100))
+    assert proposer.propose(seq, budget=8, num_decoding=1) == []
+    tracker.in_answer = True
+    assert proposer.propose(seq, budget=8, num_decoding=1) == [13, 14, 15, 11]

@@ -80,6 +80,11 @@ class SpecProposer:
         cfg = self.config
         if not seq.params.speculative_decoding:
             return []
+        if seq.reasoning is not None and not seq.reasoning.in_answer:
+            # no drafts while a sequence reasons: its budget is counted token by token (a verified run
+            # of drafts could pass it) and the answer's grammar starts at the end marker (drafts that
+            # cross it would be verified against no grammar)
+            return []
         if cfg.disable_by_batch_size is not None and num_decoding >= cfg.disable_by_batch_size:
             return []
         state = self._states.setdefault(seq.seq_id, _SeqState(self.max_drafts))

@@ -129,7 +129,9 @@ SAMPLING_FIELDS = {
     "frequency_penalty": field(num(-2.0, 2.0), num(-2.5, 2.5)),
     "seed": field(st.integers(-(2**63), 2**64 - 1), st.integers(-(2**64), 2**65)),
     "user": field(texts),
-    "logit_bias": field(st.one_of(st.none(), st.just({})), st.dictionaries(texts, floats, max_size=2)),
+    "logit_bias": field(st.one_of(st.none(), st.dictionaries(st.integers(0, 63).map(str), st.floats(-100, 100),  # (in _LOGITS)
+                                                             max_size=2)),
+                        st.dictionaries(st.text("abc-", min_size=1, max_size=4), floats, min_size=1, max_size=2)),
     "top_k": field(st.one_of(st.integers(-1, 100), st.just(2**31 - 1)),
                    st.one_of(st.integers(-2, 100), st.sampled_from(BIG_INTS))),
     "min_p": field(st.floats(0.0, 1.0), num(-0.1, 1.1)),

@@ -233,7 +233,7 @@ def test_keepalive_comments_while_waiting():
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 1000}', "n must be at most"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "role"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}}', "logit_bias"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"one": 2}}', "logit_bias"),
         (b'{"messages": [{"role": "user", "content": "x"}], "seed": 99999999999999999999999}', "seed"),
         (b'\xff\xfe{}', "UTF-8"),
         (b"", "empty"),

@@ -79,7 +79,7 @@ async def wait_for(predicate: Any) -> None:
     ({**CHAT, "stop": [""]}, "stop", "must not be empty"),
     ({**CHAT, "top_k": 2**40}, "top_k", None),
     ({**CHAT, "min_tokens": 300}, "min_tokens", "room left"),
-    ({**CHAT, "logit_bias": {"1": 1.0}}, "logit_bias", "logit_bias"),
+    ({**CHAT, "logit_bias": {"1": 101.0}}, "logit_bias", "logit_bias"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "stream_options"),
     ({"messages": [{"role": "user", "content": "x"}] * 40}, "messages", "at most 32 messages"),
@@ -467,21 +467,19 @@ async def test_null_for_every_optional_field_means_its_default(engine) -> None:
 # (tools, tool_choice, response_format, structured_outputs and guided_* are served: tests/test_tools.py)
 REFUSED = [
     ("/v1/chat/completions", "guided_whitespace_pattern", r"\s*"),
-    ("/v1/chat/completions", "continue_final_message", True),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", "required"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
-    ("/v1/chat/completions", "logit_bias", {"1": 5}),
     ("/v1/chat/completions", "use_beam_search", True),
     ("/v1/chat/completions", "prompt_logprobs", 1),
-    ("/v1/chat/completions", "allowed_token_ids", [1, 2]),
-    ("/v1/chat/completions", "bad_words", ["x"]),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "reasoning_effort", "high"),
-    ("/v1/completions", "suffix", "and then"),
-    ("/v1/completions", "logit_bias", {"1": 5}),
     ("session", "chat_template_kwargs", {"enable_thinking": True}),
     ("session", "chat_template", "{{ messages }}"),
+    # served by chat and completions, not by a session turn (its prompt is its stored history)
+    ("session", "continue_final_message", True),
+    ("session", "truncate_prompt_tokens", 3),
+    ("session", "return_tokens_as_token_ids", True),
 ]
 
 

@@ -176,6 +176,7 @@ def _checked(ctx: ServerContext, spec: ServeSpec,
     budget = spec.max_tokens if spec.refuse_overflow else None
     prompts = [_process(ctx, p, budget, names.prompt) for p in spec.prompts]
     params = build_sampling_params(spec.fields, spec.max_tokens, spec.logprobs, spec.defaults)
+    ctx.engine.input_processor.check_params(params)  # token ids in the vocabulary, priority: a 400 naming the field
     # One max_tokens for all prompts: the room the longest leaves (only lowers one that may be lowered).
     cap_max_tokens(params, ctx.max_model_len, max(p.num_tokens for p in prompts))
     # (an API that reasons has one prompt; its config, like the parameters, is the request's)

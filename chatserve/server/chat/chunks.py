@@ -22,32 +22,38 @@ def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     return ranked[:n]
 
 
-def _token_text(lp: Logprob) -> str:
+def _token_text(lp: Logprob, token_id: int | None = None) -> str:
+    """A logprob's token as text; with `token_id` (vLLM's return_tokens_as_token_ids) ``token_id:N``."""
+    if token_id is not None:
+        return f"token_id:{token_id}"
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
-def chat_logprobs(delta: ChoiceDelta, top_n: int) -> dict[str, Any] | None:
-    """The chat shape: one entry per token, each with its bytes and its top alternatives."""
+def chat_logprobs(delta: ChoiceDelta, top_n: int, as_ids: bool = False) -> dict[str, Any] | None:
+    """The chat shape: one entry per token, each with its bytes and its top alternatives (`as_ids`:
+    tokens spelled ``token_id:N``)."""
     if delta.logprobs is None:
         return None
     content = []
     for tid, entry in zip(delta.token_ids, delta.logprobs):
         chosen = entry[tid]
-        text = _token_text(chosen)
+        text = _token_text(chosen, tid if as_ids else None)
         content.append({
             "token": text,
             "logprob": chosen.logprob,
             "bytes": list(text.encode("utf-8")),
             "top_logprobs": [
-                {"token": _token_text(lp), "logprob": lp.logprob, "bytes": list(_token_text(lp).encode("utf-8"))}
-                for _, lp in _top(entry, top_n)
+                {"token": (t := _token_text(lp, other if as_ids else None)), "logprob": lp.logprob,
+                 "bytes": list(t.encode("utf-8"))}
+                for other, lp in _top(entry, top_n)
             ],
         })
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(delta: ChoiceDelta, top_n: int, offset: int) -> dict[str, Any] | None:
-    """The legacy completions shape: parallel lists; text_offset counts from `offset`."""
+def completion_logprobs(delta: ChoiceDelta, top_n: int, offset: int, as_ids: bool = False) -> dict[str, Any] | None:
+    """The legacy completions shape: parallel lists; text_offset counts from `offset` (`as_ids`: tokens
+    spelled ``token_id:N``, offsets still those of the text)."""
     if delta.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -55,9 +61,10 @@ def completion_logprobs(delta: ChoiceDelta, top_n: int, offset: int) -> dict[str
     for tid, entry in zip(delta.token_ids, delta.logprobs):
         chosen = entry[tid]
         text = _token_text(chosen)
-        tokens.append(text)
+        tokens.append(_token_text(chosen, tid) if as_ids else text)
         token_lps.append(chosen.logprob)
-        tops.append({_token_text(lp): lp.logprob for _, lp in _top(entry, top_n)} if top_n else None)
+        tops.append({_token_text(lp, other if as_ids else None): lp.logprob for other, lp in _top(entry, top_n)}
+                    if top_n else None)
         offsets.append(pos)
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -72,6 +79,8 @@ class ReplyFormat(ABC):
 
     CHUNK_OBJECT: ClassVar[str]
     REPLY_OBJECT: ClassVar[str]
+    # vLLM's return_tokens_as_token_ids: logprobs' tokens spelled "token_id:N" (set by the route)
+    token_ids_as_text: bool = False
 
     def __init__(self, cid: str, created: int, model: str, top_logprobs: int) -> None:
         self.cid = cid
@@ -121,14 +130,20 @@ class ChatFormat(ReplyFormat):
 
     CHUNK_OBJECT = "chat.completion.chunk"
     REPLY_OBJECT = "chat.completion"
+    # vLLM's chat echo: text every choice's content starts with (sent after the role delta; set by the route)
+    echo: str = ""
 
     def __init__(self, cid: str, created: int, model: str, top_logprobs: int, *, reasoning: bool = False) -> None:
         super().__init__(cid, created, model, top_logprobs)
         self.reasoning = reasoning
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(num_choices)]
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                   for i in range(num_choices)]
+        if self.echo:
+            opening += [{"index": i, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None}
+                        for i in range(num_choices)]
+        return opening
 
     @staticmethod
     def reasoning_choices(d: ChoiceDelta) -> list[dict[str, Any]]:
@@ -141,20 +156,21 @@ class ChatFormat(ReplyFormat):
         out = self.reasoning_choices(d)
         if d.text or (d.logprobs and d.token_ids):
             out.append({"index": d.index, "delta": {"content": d.text},
-                        "logprobs": chat_logprobs(d, self.top_logprobs), "finish_reason": None})
+                        "logprobs": chat_logprobs(d, self.top_logprobs, self.token_ids_as_text), "finish_reason": None})
         if d.finish_reason:
             out.append({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason})
         return out
 
     def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
         c: ChoiceState = acc.choices[index]
-        message: dict[str, Any] = {"role": "assistant", "content": c.content, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": self.echo + c.content, "refusal": None}
         if self.reasoning:
             message.update(reasoning_fields(c.reasoning_text))
         return {
             "index": index,
             "message": message,
-            "logprobs": chat_logprobs(acc.merged_delta(index), self.top_logprobs) if c.has_logprobs else None,
+            "logprobs": chat_logprobs(acc.merged_delta(index), self.top_logprobs, self.token_ids_as_text)
+            if c.has_logprobs else None,
             "finish_reason": c.finish_reason,
         }
 
@@ -185,7 +201,7 @@ class CompletionFormat(ReplyFormat):
     def delta_choices(self, d: ChoiceDelta) -> list[dict[str, Any]]:
         if not (d.text or (d.logprobs and d.token_ids) or d.finish_reason):
             return []
-        lp = completion_logprobs(d, self.top_logprobs, self._offsets[d.index]) if d.logprobs is not None else None
+        lp = completion_logprobs(d, self.top_logprobs, self._offsets[d.index], self.token_ids_as_text) if d.logprobs is not None else None
         self._offsets[d.index] += len(d.text)
         return [{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]
 
@@ -194,7 +210,7 @@ class CompletionFormat(ReplyFormat):
         echo = self.echo[index]
         return {
             "index": index, "text": echo + c.content,
-            "logprobs": completion_logprobs(acc.merged_delta(index), self.top_logprobs, len(echo))
+            "logprobs": completion_logprobs(acc.merged_delta(index), self.top_logprobs, len(echo), self.token_ids_as_text)
             if c.has_logprobs else None,
             "finish_reason": c.finish_reason,
         }

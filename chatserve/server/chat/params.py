@@ -63,6 +63,11 @@ def build_sampling_params(body: SamplingFields, max_tokens: int | None, logprobs
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             speculative_decoding=getattr(body, "speculative_decoding", True),
+            priority=body.priority,
+            logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            prompt_logprobs=getattr(body, "prompt_logprobs", None),
             output_kind="delta",
         )
     except ValueError as exc:

@@ -45,16 +45,19 @@ def continue_history(tokenizer: Any, history: list[int], messages: list[dict[str
 
 
 def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None, *,
+                    continue_final_message: bool = False) -> list[int]:
     """The messages through the chat template (a PromptError names `messages`); template_kwargs (the
-    request's chat_template_kwargs) are variables for the template, as in vLLM; the plan's tools are offered."""
+    request's chat_template_kwargs) are variables for the template, as in vLLM; the plan's tools are offered.
+    `continue_final_message`: the last (assistant) message is left open for the reply to continue."""
     if len(messages) > ctx.settings.max_messages:
         raise bad_request(f"at most {ctx.settings.max_messages} messages are allowed, got {len(messages)}",
                           param="messages")
     return ctx.engine.input_processor.render_chat(
         conversation(messages), add_generation_prompt=add_generation_prompt, chat_template=ctx.chat_template,
         tools=plan.template_tools() if plan is not None else None, param="messages",
-        tool_parser=ctx.settings.tool_call_parser, **(template_kwargs or {}))
+        tool_parser=ctx.settings.tool_call_parser, continue_final_message=continue_final_message,
+        **(template_kwargs or {}))
 
 
 def next_tool_turn_ids(processor: InputProcessor, history: list[int], messages: list[dict[str, Any]],

@@ -67,12 +67,10 @@ _LEGACY_FUNCTIONS = "the legacy functions / function_call fields (send tools / t
 REFUSED_SAMPLING: Mapping[str, Refusal] = {
     "guided_whitespace_pattern": (_unset, "guided_whitespace_pattern"),
     # other ways to change which tokens come out
-    "logit_bias": (_unset, "logit_bias"),
     "logits_processors": (_unset, "logits_processors"),
-    "allowed_token_ids": (_unset, "allowed_token_ids"),
-    "bad_words": (_unset, "bad_words"),
     "use_beam_search": (_unset, "beam search"),
     "length_penalty": (_one_of(1, 1.0), "length_penalty (beam search)"),
+    # served by chat and completions (openai/protocol.py: OPENAI_SERVED), not by a session turn
     "prompt_logprobs": (_unset, "prompt_logprobs"),
     "truncate_prompt_tokens": (_unset, "truncate_prompt_tokens"),
     "return_tokens_as_token_ids": (_unset, "return_tokens_as_token_ids"),
@@ -80,10 +78,8 @@ REFUSED_SAMPLING: Mapping[str, Refusal] = {
 REFUSED_CHAT: Mapping[str, Refusal] = {
     "functions": (_unset, _LEGACY_FUNCTIONS),
     "function_call": (_one_of("none", "auto"), _LEGACY_FUNCTIONS),
-    "continue_final_message": (_unset, "continue_final_message"),
     "chat_template": (_unset, "a chat template sent with the request"),
     "documents": (_unset, "documents for the chat template"),
-    "echo": (_unset, "echo in chat completions"),
     "add_special_tokens": (_unset, "add_special_tokens in chat completions"),
     "best_of": (_one_of(1), "best_of in chat completions"),
     "audio": (_unset, "audio output"),
@@ -98,7 +94,8 @@ REFUSED_MESSAGE: Mapping[str, Refusal] = {
 # Chat-template options of a session turn (the session's own template renders it).
 REFUSED_SESSION: Mapping[str, Refusal] = {
     "chat_template_kwargs": (_unset, "chat_template_kwargs in a session turn"),
-    **{k: REFUSED_CHAT[k] for k in ("continue_final_message", "chat_template")},
+    "continue_final_message": (_unset, "continue_final_message in a session turn"),
+    "chat_template": REFUSED_CHAT["chat_template"],
 }
 # Keys of chat_template_kwargs that would override how the server itself renders the prompt, or that
 # name a parameter of the functions the kwargs pass through (InputProcessor.render_chat, our
@@ -441,6 +438,13 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     # chatserve: opt this request out of the server's speculative decoding (same output, plain speed)
     speculative_decoding: bool = True
+    # vLLM's request controls (docs/openai-api.md, "Request fields"): scheduling priority (lower first;
+    # served under --scheduling-policy priority, else a 400 unless 0), and per-token rules: OpenAI's
+    # logit_bias (token id as a string -> -100..100), allowed_token_ids, bad_words
+    priority: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] = 0
+    logit_bias: dict[str, Any] | None = None  # (values checked as a whole below: one error, not one per key)
+    allowed_token_ids: Annotated[list[Count], Field(min_length=1, fail_fast=True)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1)]], Field(fail_fast=True)] | None = None
     # prefix cache (docs/prefix-cache.md): vLLM's salt (share cached KV only with the same salt), and
     # OpenAI's prompt_cache_key, which leases this prompt's prefix for prompt_cache_retention
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -461,6 +465,16 @@ class SamplingFields(StrictModel):
     @classmethod
     def _stop_token_ids_bounded(cls, value: Any, info: ValidationInfo) -> Any:
         return check_length(value, info, "max_stop_token_ids", "stop_token_ids")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) > MAX_INT32:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {key[:32]!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {str(value)[:32]} for token {key}")
+        return bias
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingFields:

@@ -52,10 +52,10 @@ class ToolChatFormat(ChatFormat):
         if d.logprobs and d.token_ids:  # logprobs ride on a content chunk (empty while text is held back)
             first = next((i for i, c in enumerate(out) if "reasoning" not in c["delta"]), len(out))
             if first < len(out) and "content" in out[first]["delta"]:
-                out[first]["logprobs"] = chat_logprobs(d, self.top_logprobs)
+                out[first]["logprobs"] = chat_logprobs(d, self.top_logprobs, self.token_ids_as_text)
             else:
                 out.insert(first, {"index": d.index, "delta": {"content": ""},
-                               "logprobs": chat_logprobs(d, self.top_logprobs), "finish_reason": None})
+                               "logprobs": chat_logprobs(d, self.top_logprobs, self.token_ids_as_text), "finish_reason": None})
         if d.finish_reason:
             out.append({"index": d.index, "delta": {}, "logprobs": None,
                         "finish_reason": tool_finish_reason(d.finish_reason, parser.called)})

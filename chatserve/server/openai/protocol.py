@@ -28,9 +28,30 @@ from chatserve.server.chat.protocol import (
     field_error,
 )
 
+# vLLM's fields that chat and completions serve (a session turn refuses them: its prompt is its kept history)
+OPENAI_SERVED = frozenset({"truncate_prompt_tokens", "return_tokens_as_token_ids"})
+REFUSED_OPENAI: Mapping[str, Refusal] = {k: v for k, v in REFUSED_SAMPLING.items() if k not in OPENAI_SERVED}
+TruncatePromptTokens = Annotated[int, Field(ge=-1, le=MAX_INT32)]
 
-class ChatCompletionRequest(SamplingFields):
-    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, **REFUSED_CHAT}
+
+class OpenAIFields(SamplingFields):
+    """What chat and completions take beyond the shared sampling fields (vLLM's extras)."""
+
+    # keep the prompt's last N tokens (-1: the model's context length less one), as vLLM
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    # logprobs' tokens spelled "token_id:N" (for tokens that are not valid text on their own)
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for the model's context length")
+        return value
+
+
+class ChatCompletionRequest(OpenAIFields):
+    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_OPENAI, **REFUSED_CHAT}
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_completion_tokens: PositiveInt | None = None
@@ -42,6 +63,12 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolDefinition], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the reply's content starts with the last message's content (when that message has the
+    # reply's role: assistant, or any role with add_generation_prompt false)
+    echo: bool = False
+    # vLLM's: the last (assistant) message is left open and the reply continues it (with
+    # add_generation_prompt false; both true is a 400, as vLLM)
+    continue_final_message: bool = False
     # how much the model may reason (the budget table, docs/reasoning.md); a model without a reasoning
     # parser refuses any value but "none" (ChatAdapter.admit)
     reasoning_effort: str | None = None
@@ -77,6 +104,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs requires logprobs to be true")
         check_tools(self.tools, self.tool_choice)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise field_error("continue_final_message", "continue_final_message needs add_generation_prompt false "
+                                                        "(the reply continues the last message instead of a new turn)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise field_error("continue_final_message", "continue_final_message needs the last message to be the "
+                                                        "assistant's, to continue")
         return self
 
     def effective_max_tokens(self) -> int | None:
@@ -97,19 +130,25 @@ PromptInput = str | Annotated[list[str], Field(min_length=1, fail_fast=True)] | 
 ] | Annotated[list[Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]], Field(min_length=1, fail_fast=True)]
 
 
-class CompletionRequest(SamplingFields):
-    refused: ClassVar[Mapping[str, Refusal]] = {**REFUSED_SAMPLING, "suffix": (lambda v: v == "", "suffix (insertion)")}
+class CompletionRequest(OpenAIFields):
+    refused: ClassVar[Mapping[str, Refusal]] = REFUSED_OPENAI
 
     prompt: PromptInput
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: PositiveInt | None = None
     max_tokens: PositiveInt | None = 16  # OpenAI's default for completions (also when sent as null)
+    # text after the insertion: fill-in-the-middle, for models whose vocabulary has FIM tokens
+    # (openai/fim.py; a 400 naming the model otherwise)
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _consistent_completion(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise field_error("best_of", "best_of different from n is not supported by this server")
+        if self.suffix is not None and self.echo:
+            raise field_error("suffix", "echo with suffix is not supported: the prompt run is the text around the "
+                                        "insertion, not the prompt sent")
         return self
 
     def prompts(self) -> list[str | list[int]]:

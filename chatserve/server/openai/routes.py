@@ -26,6 +26,7 @@ from chatserve.server.chat.tool_request import ToolPlan, plan_tools
 from chatserve.server.context import ServerContext, get_context
 from chatserve.server.errors import APIError, JSONResponse, bad_request
 from chatserve.server.http_input import read_model, request_id_from
+from chatserve.server.openai.fim import fim_prompt
 from chatserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from chatserve.server.pipeline import FieldNames, ReasoningRequest, ServeSpec, ServingAdapter, serve
 from chatserve.server.streams.event_log import event_log_errors
@@ -39,7 +40,9 @@ def chat_token_ids(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[lis
     route and the render/tokenize routes (openai/tokens.py) share, so a router's view of our tokens cannot drift."""
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, ctx.engine.input_processor,
                       ctx.chat_template, ctx.settings.tool_call_parser)
-    return chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan), plan
+    ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan,
+                          continue_final_message=body.continue_final_message)
+    return ctx.engine.input_processor.truncate(ids, body.truncate_prompt_tokens), plan
 
 
 def chat_prompt_and_plan(ctx: ServerContext, body: ChatCompletionRequest) -> tuple[ProcessedPrompt, ToolPlan | None]:
@@ -74,6 +77,8 @@ class ChatAdapter(ServingAdapter):
         reasons = gen.params.reasoning is not None  # reasoning split off: sent under both of its names
         fmt = ToolChatFormat(cid, created, ctx.model_name, top, plan, reasoning=reasons) \
             if plan is not None and plan.parses_calls else ChatFormat(cid, created, ctx.model_name, top, reasoning=reasons)
+        fmt.echo = chat_echo(body)
+        fmt.token_ids_as_text = body.return_tokens_as_token_ids
         return await respond(request, ctx, body, self.request_id, gen, Accumulator(body.n), fmt, self.policy)
 
 
@@ -96,8 +101,9 @@ class CompletionAdapter(ServingAdapter):
 
     async def prepare(self, ctx: ServerContext) -> ServeSpec:
         body = self.body
+        prompts = await ctx.off_loop(completion_prompts, ctx, body)  # tokenizing, off the event loop
         # an explicit max_tokens must fit beside each prompt; the default (16) is only lowered
-        return ServeSpec(list(body.prompts()), body, body.max_tokens, body.logprobs,
+        return ServeSpec(prompts, body, body.max_tokens, body.logprobs,
                          refuse_overflow="max_tokens" in body.model_fields_set)
 
     async def respond(self, request: Request, ctx: ServerContext, gen: Generation, spec: ServeSpec) -> Response:
@@ -106,7 +112,34 @@ class CompletionAdapter(ServingAdapter):
         texts = [_prompt_text(ctx, p) if body.echo else "" for p in gen.prompts]
         echo = [texts[i // body.n] for i in range(len(acc.choices))]
         fmt = CompletionFormat(f"cmpl-{self.request_id}", int(time.time()), ctx.model_name, body.logprobs or 0, echo)
+        fmt.token_ids_as_text = body.return_tokens_as_token_ids
         return await respond(request, ctx, body, self.request_id, gen, acc, fmt, self.policy)
+
+
+def chat_echo(body: ChatCompletionRequest) -> str:
+    """What chat `echo` puts before the reply, as vLLM: the last message's content when that message has the
+    reply's role (the assistant's; with add_generation_prompt false, the last message's own), else nothing."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    return last.text() if last.role == role else ""
+
+
+def completion_prompts(ctx: ServerContext, body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts as the engine runs them: as sent; with `suffix`, each as a fill-in-the-middle prompt
+    (openai/fim.py); with `truncate_prompt_tokens`, each cut to its last tokens (the suffix kept whole)."""
+    prompts = body.prompts()
+    keep = body.truncate_prompt_tokens
+    if body.suffix is None and keep is None:
+        return prompts
+    processor, tokenizer = ctx.engine.input_processor, ctx.engine.tokenizer
+    out: list[str | list[int]] = []
+    for prompt in prompts:
+        ids = prompt if isinstance(prompt, list) else list(tokenizer.encode(prompt))
+        ids = processor.truncate(ids, keep)
+        out.append(fim_prompt(tokenizer, ctx.model_name, ids, body.suffix) if body.suffix is not None else ids)
+    return out
 
 
 async def chat_completions(request: Request) -> Response:

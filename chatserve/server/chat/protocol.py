@@ -106,7 +106,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "param", "self", "tokenizer", "sanitize_control_tokens",
-    "template_kwargs", "kwargs",
+    "template_kwargs", "kwargs", "tool_parser",
 })
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the Claude Code CLI the Anthropic client tests drive (tests/test_client_compat_anthropic.py)
+# Install the Claude Code CLI the Anthropic client tests drive (tests/clients/test_client_compat_anthropic.py)
 # from the npm registry into a cached folder. Idempotent: a no-op (a few ms) when that version answers.
 #
 #   scripts/install_claude_code.sh            install (or check) @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION

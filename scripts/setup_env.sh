@@ -138,7 +138,7 @@ ensure_redis() {
     return 1
 }
 
-# Headless Chromium for the browser tests (tests/test_web_client.py): Debian's own packages, so
+# Headless Chromium for the browser tests (tests/clients/test_web_client.py): Debian's own packages, so
 # selenium drives /usr/bin/chromium through /usr/bin/chromedriver and never downloads a browser.
 # A failed install is not fatal: the browser tests then skip and say why.
 ensure_chromium() {
@@ -168,7 +168,7 @@ ensure_chromium() {
     return 0
 }
 
-# The Claude Code CLI (npm @anthropic-ai/claude-code, pinned there) for tests/test_client_compat_anthropic.py,
+# The Claude Code CLI (npm @anthropic-ai/claude-code, pinned there) for tests/clients/test_client_compat_anthropic.py,
 # in .cache/claude-code: a no-op when that version answers. An unreachable npm registry is not fatal
 # (the script says why; those tests then fail and say how to install it); a broken install is.
 ensure_claude_code() {

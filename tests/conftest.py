@@ -123,8 +123,8 @@ def shared_server():
 
     A server start is the most expensive thing a live test does (a model load: over a minute on a
     busy 2-core box, most of it transformers parsing the GGUF metadata), so modules whose tests need
-    no flag of their own share this one instead of starting their own: tests/test_client_compat_tools.py
-    and the HTTP burst of tests/test_prefix_burst.py. Tests on it must leave it idle (no running
+    no flag of their own share this one instead of starting their own: tests/clients/test_client_compat_tools.py
+    and the HTTP burst of tests/cache/test_prefix_burst.py. Tests on it must leave it idle (no running
     request, no locked block) and must not depend on what earlier modules left in its prefix cache.
     """
     from .helpers.server import SHARED_API_KEY, start_server
@@ -164,7 +164,7 @@ def llm_fp32():
 def hf_default(default_gguf):
     """transformers' own model and tokenizer from the same GGUF file, float32. Their metadata reads
     (config, tokenizer) get transformers' parse of the file's skeleton plus the tokenizer arrays
-    (`_gguf_metadata_via_skeleton`: the very dict of a whole parse, tests/test_gguf_metadata_cache.py),
+    (`_gguf_metadata_via_skeleton`: the very dict of a whole parse, tests/models/test_gguf_metadata_cache.py),
     once; the weights are transformers' own reading of the file."""
     import mmap
 
@@ -204,7 +204,7 @@ def _tensor_name_map_built_once():
 def smollm_tokenizer(default_gguf):
     """The real SmolLM2 tokenizer alone (no model): tiny checkpoints reuse it. Read as the engine reads
     it, from the session's converted GGUF metadata (one parse of the file for the whole run; that it
-    equals transformers' own reading of the GGUF is tests/test_gguf_metadata_cache.py's business)."""
+    equals transformers' own reading of the GGUF is tests/models/test_gguf_metadata_cache.py's business)."""
     from chatserve.models.loader import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(default_gguf))

@@ -33,7 +33,7 @@ Sections:
            64, 32 while decoding); per scenario how many replies are token-identical to (1) and how
            many have bitwise-equal chosen-token logprobs, and the first divergence of each. (2) or
            (3) whose tokens differ from (1) is a MISMATCH row (the CPU path's CI guarantee, see
-           tests/test_determinism.py); it fails the run only with --strict-invariance.
+           tests/engine/test_determinism.py); it fails the run only with --strict-invariance.
 
 Every part is guarded: an exception is printed and becomes an ERROR row, and the run goes
 on; parts that would pass the time budget (--budget-s) are skipped and say so. Exit status:
@@ -587,7 +587,7 @@ SCENARIOS = {
     4: "one batch mixed with 2 long prompts prefilled in chunks",
     5: "all in one batch, other chunk sizes",
 }
-# (1) vs (2) vs (3) is what the CPU path proves in CI (tests/test_determinism.py): these mismatches are marked
+# (1) vs (2) vs (3) is what the CPU path proves in CI (tests/engine/test_determinism.py): these mismatches are marked
 STRICT_SCENARIOS = (2, 3)
 
 
@@ -747,7 +747,7 @@ def agreement(base: list[list[Any]], other: list[list[Any]]) -> tuple[int, str]:
 
 def engine_invariance(ctx: Ctx, folder: Path, dtype_name: str, prompts: list[list[int]], longs: list[list[int]],
                       output_len: int) -> None:
-    """Scenarios (1)-(5) of tests/test_determinism.py on the Triton path, greedy; one row each."""
+    """Scenarios (1)-(5) of tests/engine/test_determinism.py on the Triton path, greedy; one row each."""
     from chatserve import SamplingParams
 
     # NOTE: logprobs=0 returns each chosen token's logprob: equal floats are equal bits, so a run whose tokens

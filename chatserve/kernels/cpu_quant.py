@@ -14,7 +14,7 @@ What can be trusted, on every tier: every output's arithmetic is the same whatev
 row's place in the batch or the thread split (batch-invariant, so prefill and decode agree bit for
 bit); the weights it multiplies are exactly gguf's de-quantised values (`rows` / `dequantize` return
 them, rounded to bf16, bit for bit); the only error against the fp32 product is the activations' int8
-rounding (tests/test_quant_gemm.py states the tolerance and runs every tier this CPU supports).
+rounding (tests/kernels/test_quant_gemm.py states the tolerance and runs every tier this CPU supports).
 
 Each tier is its own extension (kernels/build.py: its own name and source/flag hash, the shared
 build folder and lock), so editing one kernel rebuilds only it.
@@ -105,7 +105,7 @@ def _self_check(k: QuantKernels) -> None:
     """int8 per channel (needs no gguf): the matmul is close to the fp32 reference (int8 activations),
     rows alone equal rows in a batch, and the rows read back as scale * q rounded to bf16. The GGUF
     formats share every instruction of the matmul with it except the per-format scale arithmetic,
-    which tests/test_quant_gemm.py checks bit for bit against gguf's numpy de-quantisation."""
+    which tests/kernels/test_quant_gemm.py checks bit for bit against gguf's numpy de-quantisation."""
     gen = torch.Generator().manual_seed(0)
     n, kdim = 40, 64
     q = torch.randint(-127, 128, (n, kdim), generator=gen, dtype=torch.int8)

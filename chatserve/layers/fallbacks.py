@@ -16,7 +16,7 @@ class Fallback:
     op: str  # what runs outside the kernels: "matmul", "attention", "gelu*up", ...
     reason: str  # why, in the words the start-up log uses
     # True where the torch op used instead still gives a row the same bits whatever the batch and
-    # the thread split (exact elementwise ops, shown by tests/test_row_invariance.py); False breaks
+    # the thread split (exact elementwise ops, shown by tests/worker/test_row_invariance.py); False breaks
     # the engine's determinism promise
     invariant: bool = False
 

@@ -7,7 +7,7 @@ compiled kernels (kernels/cpu_quant.py) multiply the blocks' integer quants by e
 quantised to int8 in blocks of 32 (AVX512-VNNI) and apply the blocks' scales in fp32: the weights are
 exactly gguf's, the activations' rounding is the one approximation, and every row's result is the
 same whatever the batch (batch-invariant, as the bf16 path). Greedy output stays close to
-`quantization="none"` (tests/test_quantized_model.py states how close), at a third of the bytes.
+`quantization="none"` (tests/models/test_quantized_model.py states how close), at a third of the bytes.
 
 A layer is a list of row segments: the loader hands each GGUF tensor over as a `QuantizedTensor`
 at its row offset in the fused matrix (q|k|v, gate|up); adjacent segments of one type are packed

@@ -5,7 +5,7 @@ runs ~300 kernel calls a token (30 layers of norms, three projections, rotary, K
 silu); from Python each costs a few microseconds of binding, views and attribute lookups, ~4 ms a
 step on a 2-core Zen 3, as much as all of the step's matmuls. csrc/tier_kernels.cpp's `LayerStack`
 holds each layer's packed weights and calls the same kernels with the same arguments in the same
-order, with the GIL released, so a step gives the Python path's bits exactly (tests/test_layer_stack.py)
+order, with the GIL released, so a step gives the Python path's bits exactly (tests/kernels/test_layer_stack.py)
 and which path ran is invisible in the output.
 
 Used only where every piece of a layer is a tiered kernel: bf16 on a tiered CPU tier, the paged

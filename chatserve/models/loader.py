@@ -340,7 +340,7 @@ def skeleton_metadata(path: Path, header: Any, parse: Any = None) -> dict[str, A
     arrays read by `gguf_skeleton.tokenizer_arrays` and put where transformers' own loop puts them:
     renamed by its GGUF_TO_TRANSFORMERS_MAPPING, in the file's order. `parse` is the function that
     parses the skeleton (transformers' own, or the one in force, e.g. gguf_moe's corrections).
-    tests/test_gguf_metadata_cache.py compares the result with transformers' parse of whole files."""
+    tests/models/test_gguf_metadata_cache.py compares the result with transformers' parse of whole files."""
     import mmap
     import tempfile
 
@@ -426,7 +426,7 @@ def list_added_tokens(folder: Path) -> None:
     them sends every later `AutoTokenizer.from_pretrained` through its legacy path, which parses the
     whole tokenizer.json in Python (3.5 MB for SmolLM2: ~0.15 s of each load, each server start and
     each `LLM(...)`) only to read this list back. The tokens are the same either way (the same
-    AddedToken fields from the same file; tests/test_gguf_metadata_cache.py compares the two).
+    AddedToken fields from the same file; tests/models/test_gguf_metadata_cache.py compares the two).
     A folder with a special_tokens_map.json or added_tokens.json is left as it is: only that legacy
     path reads those files, so listing the tokens would change what the tokenizer gets.
     """

@@ -45,7 +45,7 @@ processed state (its rotary tables, Gemma 3's local and global ones included; Ge
 scales; anything similar a family adds) is built by the model's `post_load()`, which
 `load_weights_cached` calls last on every path: cache off, unusable, written, or mapped. A model
 that built such state in `load_weights` answered differently at its second start (issue 51);
-tests/test_weight_cache_families.py loads every family twice from one cache and compares logits bit
+tests/models/test_weight_cache_families.py loads every family twice from one cache and compares logits bit
 for bit.
 """
 

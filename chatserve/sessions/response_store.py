@@ -11,7 +11,7 @@ What a stored response holds, and why:
   `previous_response_id` continues from these tokens (plus only its new items, rendered with the
   sentinel cut of session turns), so the prefix cache matches the whole earlier conversation.
 
-Semantics shared by every store (the contract tests in tests/test_response_store.py hold both
+Semantics shared by every store (the contract tests in tests/sessions/test_response_store.py hold both
 to them): ids are issued by the server (`new_response_id`); an id that is unknown, expired,
 deleted or not shaped like one is "not found" (None / False); every key of a response shares one
 TTL, restarted by every write; `delete` removes every key; backend failures raise

@@ -1,6 +1,6 @@
 """The SessionStore interface: what the server may rely on, whichever backend runs.
 
-Semantics shared by every store (the contract tests in tests/test_session_store.py hold
+Semantics shared by every store (the contract tests in tests/sessions/test_session_store.py hold
 both implementations to them):
 
 - Ids are issued by the store (`create`). An id that is unknown, expired, deleted or not

@@ -9,7 +9,7 @@
 // Here each row of x is quantised once per call to int8 in blocks of 32 (as llama.cpp's Q8 does), and
 // one vpdpbusd multiplies 16 outputs x 4 k of unsigned weight quants by 4 int8 activations: ~1.5
 // instructions per 32 weights for the 4-bit formats, plus 4 per sub-block of 16 outputs for the scales.
-// Measured in scripts/bench_quant.py (BENCHMARKS.md).
+// Measured in benchmarks/kernels/bench_quant.py (BENCHMARKS.md).
 //
 // The arithmetic, per output n and per sub-block j of the weight (32 values; 16 for Q6_K), in order
 // over the sub-blocks, one fp32 accumulator per output:
@@ -25,7 +25,7 @@
 // determinism requirement), and prefill and decode give the same bits for the same row.
 // The weights S * u + B are exactly gguf's de-quantised values (quant_rows / quant_dequantize read
 // them back exactly, rounded to bf16); the error against the fp32 product is the activations' int8
-// rounding (tests/test_quant_gemm.py states and checks the tolerance).
+// rounding (tests/kernels/test_quant_gemm.py states and checks the tolerance).
 //
 // Packed layout: zmm columns of 16 outputs in groups of 4 (64 outputs; N is padded with zero weights),
 // each group one contiguous stream [4 column headers][block 0 of its 4 columns][block 1 ...]... (blocks
@@ -70,7 +70,7 @@ constexpr int kXBlock = 32;    // activation values per int8 scale
 #define QGEMM_SPLIT_COLS_MIN 32
 #endif
 
-// The prefetch distance, settable for measurement (scripts/bench_quant.py --prefetch): cold weights
+// The prefetch distance, settable for measurement (benchmarks/kernels/bench_quant.py --prefetch): cold weights
 // stream at the memory's latency-bound rate unless enough bytes are in flight.
 int64_t g_pf_bytes = QGEMM_PF_BYTES;
 

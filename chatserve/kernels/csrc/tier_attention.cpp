@@ -31,7 +31,7 @@
 // rows that read the same physical tile (a prompt's rows, the heads of one KV head, sequences of a
 // group sharing a prefix) compute together: kChunk rows' scores share every K load, kPvRows rows'
 // weighted sums share every V load; each row's own chains are the ones it has alone.
-// Speed (Zen 3, AVX2, SmolLM2's 9 x 3 heads of 64, scripts/bench_tier_attention.py): a 1,000-token
+// Speed (Zen 3, AVX2, SmolLM2's 9 x 3 heads of 64, benchmarks/kernels/bench_tier_attention.py): a 1,000-token
 // causal prefill ~20 ms a layer on one core (~75% of the FMA peak; torch SDPA in fp32 ~25 ms),
 // ~11-13 ms on two (SDPA ~14-17); decode at 4,000 keys ~0.18 ms on two (SDPA ~0.35). Scoring two tiles at once for a decode's few rows was
 // tried: AVX2's 16 registers spill, no gain. Built with -ffp-contract=off (kernels/build.py): no

@@ -26,7 +26,7 @@
 // 2 widened weight vectors, 1 broadcast of the 16 ymm registers): 12 fma per weight load and 6
 // broadcasts. AVX512 (32 registers) takes 2 panels. With few rows (decode) tiles are wider (1 row x
 // 4 panels, 2 x 3, 3 x 2) so there are still >= 8 independent chains to cover the fma latency while
-// the weights stream from memory once for all rows, prefetched ahead. Measured: scripts/bench_tier_gemm.py.
+// the weights stream from memory once for all rows, prefetched ahead. Measured: benchmarks/kernels/bench_tier_gemm.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -13,7 +13,7 @@
 // long as all the matmuls of the step together. `LayerStack` holds every layer's weights once and
 // runs the whole stack for one step in C++ with the GIL released, calling the same functions the
 // Python layers call, with the same arguments, in the same order: the bits are the Python path's
-// (tests/test_layer_stack.py compares them), so greedy output and determinism are unchanged by
+// (tests/kernels/test_layer_stack.py compares them), so greedy output and determinism are unchanged by
 // which path a step takes. The model uses it for steps without a between-layers abort check
 // (decode-only steps); prefill chunks keep the Python path, where that check runs.
 #include <torch/extension.h>

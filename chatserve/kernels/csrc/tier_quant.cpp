@@ -29,7 +29,7 @@
 // With vpdpbusd (VNNI tiers) every run is one int32 accumulation.
 // The weights S * u + B are exactly gguf's de-quantised values (quant_rows / quant_dequantize read them
 // back, rounded to bf16, bit for bit); the error against the fp32 product is the activations' int8
-// rounding (tests/test_quant_gemm.py states the tolerance).
+// rounding (tests/kernels/test_quant_gemm.py states the tolerance).
 //
 // Packed layout (L = cs::kLanes outputs per column: 8 on AVX2, 16 on AVX512; N padded with zero weights
 // to groups of 4 columns): each group is one contiguous stream [4 column headers][block 0 of its 4

@@ -100,7 +100,7 @@ REFUSED_SESSION: Mapping[str, Refusal] = {
 # Keys of chat_template_kwargs that would override how the server itself renders the prompt, or that
 # name a parameter of the functions the kwargs pass through (InputProcessor.render_chat, our
 # apply_chat_template, transformers' apply_chat_template and render_jinja_template): sent as a template
-# variable, `self` or `tokenizer` would be "got multiple values for argument" (tests/test_hostile_inputs.py
+# variable, `self` or `tokenizer` would be "got multiple values for argument" (tests/server/test_hostile_inputs.py
 # checks this list against those signatures).
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",

@@ -6,7 +6,7 @@ the live ones, until the run ends the log. So a client whose connection dropped 
 the last sequence number it saw and loses nothing, and with a Redis behind it the reader may be on
 any replica.
 
-Contract (`tests/test_event_log.py` runs the same tests over both logs):
+Contract (`tests/server/streams/test_event_log.py` runs the same tests over both logs):
 - One writer per key. `append` numbers events 0, 1, 2, ... with no gap; `follow` yields them in
   order, each once.
 - At most `max_events` entries are kept per log (the oldest trimmed); a cursor older than the

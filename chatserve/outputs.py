@@ -20,6 +20,9 @@ class Logprob:
 
 # One entry per generated token: token id -> Logprob (the chosen token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token (vLLM's prompt_logprobs): None for the first (nothing predicts it), then the
+# prompt token's logprob and rank plus the top-N.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -117,6 +120,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     stats: RequestStats = field(default_factory=RequestStats)  # the request's live record (shared, not a copy)
+    # SamplingParams.prompt_logprobs asked for: every output has them, a delta stream only its first (as vLLM)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -97,14 +97,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- admission -------------------------------------------------------
-    def match_and_lock(self, seq: Sequence) -> int:
+    def match_and_lock(self, seq: Sequence, *, read_cache: bool = True) -> int:
         """Reuse the longest cached prefix of seq's tokens, always leaving the last token to compute.
 
         Returns the number of tokens served from the cache in whole shared blocks;
-        `reuse_partial_block` may then add the leading tokens of the next block.
+        `reuse_partial_block` may then add the leading tokens of the next block. ``read_cache``
+        False: nothing is reused (seq computes every token; it still publishes its blocks).
         """
         assert not seq.block_table and seq.cache_node is None
-        match = self.cache.match_prefix(seq.token_ids[:-1], salt=seq.cache_salt)
+        match = self.cache.match_prefix(seq.token_ids[:-1] if read_cache else [], salt=seq.cache_salt)
         self.cache.lock(match.node)
         self._drop_prefetch_lock(seq)  # (after locking the match, which covers what was loaded)
         self.allocator.incref(match.block_ids)

@@ -71,6 +71,9 @@ class ScheduledSeq:
     # The step computes the last token and these (num_new_tokens = 1 + len(drafts)); none of them is
     # in seq.token_ids until the verification keeps it.
     draft_token_ids: list[int] = field(default_factory=list)
+    # NOTE: filled by the worker for a sequence that needs prompt logprobs: the entries of prompt positions
+    # seq.num_computed_tokens + 1 onwards that this chunk's rows predict; kept by update_from_output.
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property
     def completes_prompt(self) -> bool:
@@ -78,10 +81,20 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.draft_token_ids)
 
     @property
+    def num_prompt_logprob_rows(self) -> int:
+        """Rows of this chunk whose logits give a prompt token's logprobs (each row predicts the token
+        after it): all but the prompt's last, for a sequence that still needs them; else 0."""
+        if not self.seq.needs_prompt_logprobs or self.draft_token_ids:
+            return 0
+        start = self.seq.num_computed_tokens
+        return max(0, min(self.num_new_tokens, self.seq.num_prompt_tokens - 1 - start))
+
+    @property
     def num_logits(self) -> int:
         """Rows of logits this step needs for the sequence: one per verified draft plus one, 1 when
-        the chunk completes the prompt, else 0."""
-        return 1 + len(self.draft_token_ids) if self.completes_prompt else 0
+        the chunk completes the prompt, else 0; a chunk of a prompt that needs its prompt logprobs
+        adds those rows (they come first: they are the chunk's leading rows)."""
+        return (1 + len(self.draft_token_ids) if self.completes_prompt else 0) + self.num_prompt_logprob_rows
 
     @property
     def is_decode(self) -> bool:
@@ -187,14 +200,18 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self._pop_next_waiting()
-            cached = self.blocks.match_and_lock(seq)
-            if self._prefix_in_flight(seq, cached):
+            # NOTE: a sequence that needs prompt logprobs computes its whole prompt (vLLM: it does not read
+            # the prefix cache, though what it computes is published as usual).
+            reads_cache = not seq.needs_prompt_logprobs
+            cached = self.blocks.match_and_lock(seq, read_cache=reads_cache)
+            if reads_cache and self._prefix_in_flight(seq, cached):
                 # NOTE: a running sequence is computing the next block of this prompt right now;
                 # wait for it to be published instead of computing the same prefix twice.
                 self.blocks.release(seq, keep_in_cache=False)
                 deferred.append(seq)
                 continue
-            cached += self.blocks.reuse_partial_block(seq)
+            if reads_cache:
+                cached += self.blocks.reuse_partial_block(seq)
             first_admission = seq.stats.first_scheduled_time is None  # the request's first (of any of its n)
             why = self.blocks.explain_miss(seq, cached) if first_admission else None
             n = min(seq.num_uncomputed_tokens, budget, chunk)
@@ -235,6 +252,8 @@ class Scheduler:
                 continue  # what it computed counts once the verification says which drafts stand
             if not s.is_decode:
                 self.num_prefill_tokens_computed += s.num_new_tokens
+            if s.prompt_logprobs:
+                s.seq.record_prompt_logprobs(s.seq.num_computed_tokens + 1, s.prompt_logprobs)
             s.seq.num_computed_tokens += s.num_new_tokens
             self.blocks.publish(s.seq)  # returns at once unless a new full block was computed
             if window:  # down to a 16-key tile: the C++ kernel reads a window's first tile whole

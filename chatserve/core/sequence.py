@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from chatserve.core.cache_lease import CacheLease
 from chatserve.core.session_kv import SessionKV
@@ -97,6 +97,12 @@ class Sequence:
     reasoning: ReasoningTracker | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
+    # NOTE: vLLM's prompt_logprobs, on the sequence that computes them (the request's first; its siblings
+    # read the prefix cache as usual): one entry per prompt position computed so far, the first None (no
+    # token before it predicts it), then the worker's TokenLogprobs of each prompt token (its logprob,
+    # rank and the top-k). While it is short of the prompt, the sequence does not read the prefix cache.
+    prompt_logprobs: list[Any] | None = None
+    sent_prompt_logprobs: bool = False  # a delta output carries them once
     # NOTE: one record per request, shared by its n sequences (the scheduler writes admission,
     # prefix hit and preemptions into it; the engine the tokens and finish).
     stats: RequestStats = field(default_factory=RequestStats)
@@ -112,6 +118,23 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: every prefill row then gets logits, and
+        the prefix cache is not read (its cached positions would have none)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def record_prompt_logprobs(self, first_position: int, entries: Seq[Any]) -> None:
+        """Keep the entries of prompt positions ``first_position ..`` not recorded yet: a chunk computed
+        again after a preemption by recompute adds nothing twice."""
+        assert self.prompt_logprobs is not None
+        have = len(self.prompt_logprobs)
+        if first_position > have:
+            raise AssertionError(f"prompt logprobs from position {first_position} but only {have} recorded")
+        self.prompt_logprobs.extend(entries[have - first_position :])
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -233,9 +233,6 @@ class InputProcessor:
             raise PromptError(f"priority {params.priority} needs the priority scheduling policy (the server runs "
                               f"{self.scheduling_policy!r}; start it with --scheduling-policy priority), or send "
                               "priority 0", param="priority")
-        if params.prompt_logprobs is not None:
-            # NOTE: the engine does not compute prompt logprobs yet; refused rather than silently dropped
-            raise PromptError("prompt_logprobs is not served by this engine yet; leave it unset", param="prompt_logprobs")
         params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
 
     def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:

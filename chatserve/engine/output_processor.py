@@ -13,7 +13,7 @@ from typing import Any
 
 from chatserve.core.sequence import Sequence
 from chatserve.engine.request import Request
-from chatserve.outputs import CompletionOutput, Logprob, RequestOutput
+from chatserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 
 class OutputProcessor:
@@ -36,6 +36,8 @@ class OutputProcessor:
         self.num_generated_tokens = 0
         # final outputs made between steps (a failed grammar): the next step returns them first
         self._ready: list[RequestOutput] = []
+        # request_id -> its prompt logprobs as output entries (made once, when all are computed)
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}
 
     # ---- tokens ------------------------------------------------------------
     def append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[Any]) -> int:
@@ -127,13 +129,17 @@ class OutputProcessor:
                 outputs.append(out)
             if req.finished:
                 requests.pop(req.request_id, None)
+                self._prompt_logprobs.pop(req.request_id, None)
         return outputs
 
     def finish_request(self, req: Request) -> RequestOutput | None:
         """A request ended outside a step's tokens (abort, failed grammar): its final output, and its
         record leaves ``requests``."""
         self.requests.pop(req.request_id, None)
-        return self.make_output(req)
+        try:
+            return self.make_output(req)
+        finally:
+            self._prompt_logprobs.pop(req.request_id, None)
 
     def add_ready(self, out: RequestOutput | None) -> None:
         """Hand an output made between steps to the next step's return."""
@@ -165,7 +171,21 @@ class OutputProcessor:
             outputs=outs,
             finished=finished,
             stats=stats,
+            prompt_logprobs=self._prompt_logprobs_of(req, kind),
         )
+
+    def _prompt_logprobs_of(self, req: Request, kind: str) -> PromptLogprobs | None:
+        """The request's prompt logprobs once all are computed (on the sequence that computed them), as
+        output entries with their decoded tokens; a delta stream carries them in one output only."""
+        seq = next((s for s in req.seqs if s.prompt_logprobs is not None), None)
+        if seq is None or seq.needs_prompt_logprobs or (kind == "delta" and seq.sent_prompt_logprobs):
+            return None
+        seq.sent_prompt_logprobs = True
+        entries = self._prompt_logprobs.get(req.request_id)
+        if entries is None:
+            entries = [None if lp is None else self._logprob_entry(lp) for lp in seq.prompt_logprobs]  # type: ignore[union-attr]
+            self._prompt_logprobs[req.request_id] = entries
+        return entries
 
     def _completion(self, seq: Sequence, kind: str) -> CompletionOutput | None:
         """One sequence's part of the output: everything so far, or (``delta``) what is new since the

@@ -21,7 +21,7 @@ from chatserve.models.weight_cache import WeightCacheConfig, load_weights_cached
 from chatserve.worker.interface import WorkerInfo
 from chatserve.worker.kv_pool import plan_kv_pool
 from chatserve.worker.kv_transfer import read_blocks, write_blocks
-from chatserve.worker.sampler import Sampler, row_is_greedy
+from chatserve.worker.sampler import Sampler, prompt_logprobs, row_is_greedy
 from chatserve.worker.spec_verify import SampledSeq, SamplerRows, split_rows
 
 logger = logging.getLogger(__name__)
@@ -229,6 +229,10 @@ class ModelRunner:
             self.model(batch, self.kv_cache, between_layers)  # prefill chunk only: fills the KV cache
             return []
         logits = self.model(batch, self.kv_cache, between_layers)
+        if any(s.num_prompt_logprob_rows for s in extends):
+            logits = self._take_prompt_logprobs(logits, decodes, extends)
+        if not sampled:
+            return []
         rows = SamplerRows.build(sampled, needs_draws=lambda p: not row_is_greedy(p))
         try:
             result = self.sampler(
@@ -244,3 +248,27 @@ class ModelRunner:
         finally:
             rows.rewind_grammars()
         return split_rows(sampled, result.token_ids, result.logprobs, rows)
+
+    def _take_prompt_logprobs(self, logits: torch.Tensor, decodes: list[ScheduledSeq],
+                              extends: list[ScheduledSeq]) -> torch.Tensor:
+        """Fill each prompt-logprob chunk's ``prompt_logprobs`` from its leading rows of ``logits`` and
+        return the rows the sampler reads (each sampled sequence's last 1 + drafts rows, in order).
+
+        # NOTE: the rows come from the same forward pass and lm_head as every other row, and only
+        # ``[rows, k]`` selections of them are kept (sampler.prompt_logprobs), never a
+        # ``[prompt_len, vocab]`` tensor; other sequences' rows are copied, not recomputed.
+        """
+        keep: list[int] = list(range(len(decodes)))
+        row = len(decodes)
+        for s in extends:
+            n_prompt = s.num_prompt_logprob_rows
+            if n_prompt:
+                start = s.seq.num_computed_tokens
+                targets = s.seq.token_ids[start + 1 : start + 1 + n_prompt]
+                k = s.seq.params.prompt_logprobs or 0
+                s.prompt_logprobs = prompt_logprobs(logits[row : row + n_prompt], targets, k)
+            n_sample = s.num_logits - n_prompt
+            keep.extend(range(row + n_prompt, row + n_prompt + n_sample))
+            row += s.num_logits
+        index = torch.tensor(keep, dtype=torch.long, device=logits.device)
+        return logits.index_select(0, index)

@@ -29,7 +29,7 @@ Reproducibility: a row with a ``torch.Generator`` draws its one uniform per
 step from it and nothing else does, and every stage computes a row from that
 row alone in an order that does not depend on the batch (greedy ties go to the
 lowest token id), so a seeded request gets the same token whatever else is in
-the batch and wherever its row is (tests/test_row_invariance.py).
+the batch and wherever its row is (tests/worker/test_row_invariance.py).
 """
 
 from __future__ import annotations
@@ -472,6 +472,27 @@ def _gather_logprobs(
             num_top,
         )
     ]
+
+
+# Rows of a chunk whose prompt logprobs are gathered at once: bounds the [rows, vocab] temporaries.
+_PROMPT_LOGPROB_SLICE = 256
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
+    """vLLM's prompt_logprobs for a prefill chunk: row i of ``logits`` (raw, float32) predicts
+    ``next_token_ids[i]``, the prompt's next token; its logprob and rank, and the top ``num_top``.
+
+    The same numerics as a sampled token's logprobs (`_gather_logprobs`), a slice of rows at a time:
+    only ``[rows, num_top]`` selections are kept.
+    """
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(next_token_ids)} prompt tokens")
+    chosen = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)
+    out: list[TokenLogprobs] = []
+    for lo in range(0, len(next_token_ids), _PROMPT_LOGPROB_SLICE):
+        hi = min(lo + _PROMPT_LOGPROB_SLICE, len(next_token_ids))
+        out += _gather_logprobs(logits[lo:hi].float(), list(range(hi - lo)), chosen[lo:hi], [num_top] * (hi - lo))
+    return out
 
 
 class Sampler:

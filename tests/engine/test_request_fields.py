@@ -189,13 +189,3 @@ def test_truncate_prompt_tokens_on_the_engine_keeps_the_prompts_tail(llm_default
     assert out.prompt_token_ids == tail
     (direct,) = llm_default.generate({"prompt_token_ids": tail}, SamplingParams(temperature=0, max_tokens=4))
     assert out.outputs[0].token_ids == direct.outputs[0].token_ids
-
-
-def test_prompt_logprobs_is_refused_not_dropped_until_the_engine_serves_it(smollm_tokenizer) -> None:
-    from chatserve.engine.input_processor import InputProcessor
-
-    processor = InputProcessor(smollm_tokenizer, vocab_size=len(smollm_tokenizer), max_model_len=64,
-                               max_model_len_note="", num_kv_blocks=64, block_size=16)
-    with pytest.raises(PromptError, match="prompt_logprobs") as err:
-        processor.check_params(SamplingParams(prompt_logprobs=2))
-    assert err.value.param == "prompt_logprobs"

@@ -71,6 +71,13 @@ def completion_logprobs(delta: ChoiceDelta, top_n: int, offset: int, as_ids: boo
 
 
 # ---- the skeleton --------------------------------------------------------------------------------
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], as_ids: bool = False) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token_id: {logprob, rank, decoded_token}}."""
+    return [None if e is None else {
+        str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": _token_text(lp, t if as_ids else None)}
+        for t, lp in e.items()} for e in entries]
+
+
 class ReplyFormat(ABC):
     """The envelope shared by chat and completions; subclasses fill in the choices.
 
@@ -87,6 +94,26 @@ class ReplyFormat(ABC):
         self.created = created
         self.model = model
         self.top_logprobs = top_logprobs
+        # vLLM's prompt_logprobs asked for (set by the route): the generation's prompt index -> entries (filled
+        # as outputs arrive), and how many choices each prompt has; None: not asked, no key in the reply
+        self.prompt_logprobs: dict[int, Any] | None = None
+        self.choices_per_prompt = 1
+        self._prompt_logprobs_sent: set[int] = set()
+
+    def prompt_logprobs_of(self, choice: int) -> list[dict[str, Any] | None] | None:
+        """Choice ``choice``'s prompt's prompt logprobs in vLLM's JSON (None until known)."""
+        entries = None if self.prompt_logprobs is None else self.prompt_logprobs.get(choice // self.choices_per_prompt)
+        return None if entries is None else prompt_logprobs_json(entries, self.token_ids_as_text)
+
+    def unsent_prompt_logprobs(self, key: int) -> list[dict[str, Any] | None] | None:
+        """A stream's prompt logprobs for ``key`` (a choice, or 0 for chat's one prompt) the first time they
+        are known, then None: vLLM streams them once."""
+        if self.prompt_logprobs is None or key in self._prompt_logprobs_sent:
+            return None
+        value = self.prompt_logprobs_of(key)
+        if value is not None:
+            self._prompt_logprobs_sent.add(key)
+        return value
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.cid, "object": obj, "created": self.created, "model": self.model,
@@ -94,7 +121,8 @@ class ReplyFormat(ABC):
 
     def chunk(self, choices: list[dict[str, Any]], include_usage: bool, usage: Usage | None = None) -> dict[str, Any]:
         """One streamed chunk. With include_usage every chunk has `usage` (null until the last one)."""
-        obj = self._envelope(self.CHUNK_OBJECT, choices)
+        obj = self.with_top_level(self._envelope(self.CHUNK_OBJECT, choices), streaming=True) if choices \
+            else self._envelope(self.CHUNK_OBJECT, choices)
         if include_usage:
             obj["usage"] = usage.as_dict() if usage is not None else None
         return obj
@@ -103,6 +131,10 @@ class ReplyFormat(ABC):
         """The non-streaming body: every choice whole, and the usage."""
         obj = self._envelope(self.REPLY_OBJECT, [self.whole_choice(acc, i) for i in range(len(acc.choices))])
         obj["usage"] = usage.as_dict()
+        return self.with_top_level(obj, streaming=False)
+
+    def with_top_level(self, obj: dict[str, Any], *, streaming: bool) -> dict[str, Any]:
+        """Fields of the whole object besides the choices (chat's prompt_logprobs)."""
         return obj
 
     @abstractmethod
@@ -136,6 +168,15 @@ class ChatFormat(ReplyFormat):
     def __init__(self, cid: str, created: int, model: str, top_logprobs: int, *, reasoning: bool = False) -> None:
         super().__init__(cid, created, model, top_logprobs)
         self.reasoning = reasoning
+
+    def with_top_level(self, obj: dict[str, Any], *, streaming: bool) -> dict[str, Any]:
+        """vLLM's chat puts prompt_logprobs on the object (one prompt): the body, or the first chunk after
+        they are known."""
+        if self.prompt_logprobs is not None:
+            value = self.unsent_prompt_logprobs(0) if streaming else self.prompt_logprobs_of(0)
+            if value is not None or not streaming:
+                obj["prompt_logprobs"] = value
+        return obj
 
     def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -203,7 +244,12 @@ class CompletionFormat(ReplyFormat):
             return []
         lp = completion_logprobs(d, self.top_logprobs, self._offsets[d.index], self.token_ids_as_text) if d.logprobs is not None else None
         self._offsets[d.index] += len(d.text)
-        return [{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}]
+        choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        if self.prompt_logprobs is not None:
+            prompt_lps = self.unsent_prompt_logprobs(d.index)
+            if prompt_lps is not None:  # vLLM: on the choice's first chunk
+                choice["prompt_logprobs"] = prompt_lps
+        return [choice]
 
     def whole_choice(self, acc: Accumulator, index: int) -> dict[str, Any]:
         c = acc.choices[index]
@@ -213,4 +259,5 @@ class CompletionFormat(ReplyFormat):
             "logprobs": completion_logprobs(acc.merged_delta(index), self.top_logprobs, len(echo), self.token_ids_as_text)
             if c.has_logprobs else None,
             "finish_reason": c.finish_reason,
+            **({} if self.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs_of(index)}),
         }

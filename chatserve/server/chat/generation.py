@@ -55,6 +55,8 @@ class Generation:
         except KeyError:
             raise APIError(409, f"a request with id {request_id!r} is already running; use a unique X-Request-Id",
                            param="X-Request-Id", code="duplicate_request_id") from None
+        # prompt index -> its prompt logprobs (SamplingParams.prompt_logprobs), as the engine sends them once
+        self.prompt_logprobs: dict[int, Any] = {}
         self.usage = Usage(prompt_tokens=sum(p.num_tokens for p in prompts),
                            reasoning_tokens=0 if params.reasoning is not None else None)
         self._reasoning_tokens: dict[tuple[str, int], int] = {}  # (engine id, choice) -> its reasoning tokens so far
@@ -146,6 +148,8 @@ class Generation:
             for o in out.outputs:
                 self._reasoning_tokens[(eid, o.index)] = o.num_reasoning_tokens
             self.usage.reasoning_tokens = sum(self._reasoning_tokens.values())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs.setdefault(prompt_index, out.prompt_logprobs)
         n = self.params.n
         deltas = [self._delta(prompt_index * n, o) for o in out.outputs]
         if out.finished:

@@ -71,7 +71,7 @@ REFUSED_SAMPLING: Mapping[str, Refusal] = {
     "use_beam_search": (_unset, "beam search"),
     "length_penalty": (_one_of(1, 1.0), "length_penalty (beam search)"),
     # served by chat and completions (openai/protocol.py: OPENAI_SERVED), not by a session turn
-    "prompt_logprobs": (_unset, "prompt_logprobs"),
+    "prompt_logprobs": (_unset, "prompt_logprobs in a session turn (chat and completions serve it)"),
     "truncate_prompt_tokens": (_unset, "truncate_prompt_tokens"),
     "return_tokens_as_token_ids": (_unset, "return_tokens_as_token_ids"),
 }

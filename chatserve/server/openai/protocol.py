@@ -29,7 +29,7 @@ from chatserve.server.chat.protocol import (
 )
 
 # vLLM's fields that chat and completions serve (a session turn refuses them: its prompt is its kept history)
-OPENAI_SERVED = frozenset({"truncate_prompt_tokens", "return_tokens_as_token_ids"})
+OPENAI_SERVED = frozenset({"truncate_prompt_tokens", "return_tokens_as_token_ids", "prompt_logprobs"})
 REFUSED_OPENAI: Mapping[str, Refusal] = {k: v for k, v in REFUSED_SAMPLING.items() if k not in OPENAI_SERVED}
 TruncatePromptTokens = Annotated[int, Field(ge=-1, le=MAX_INT32)]
 
@@ -41,6 +41,9 @@ class OpenAIFields(SamplingFields):
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     # logprobs' tokens spelled "token_id:N" (for tokens that are not valid text on their own)
     return_tokens_as_token_ids: bool = False
+    # vLLM's: each prompt token's logprob, rank and the top N (0..20) in the reply; such a request does not
+    # read the prefix cache (every prompt position is computed), though it writes it
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -79,6 +79,8 @@ class ChatAdapter(ServingAdapter):
             if plan is not None and plan.parses_calls else ChatFormat(cid, created, ctx.model_name, top, reasoning=reasons)
         fmt.echo = chat_echo(body)
         fmt.token_ids_as_text = body.return_tokens_as_token_ids
+        if body.prompt_logprobs is not None:
+            fmt.prompt_logprobs, fmt.choices_per_prompt = gen.prompt_logprobs, body.n
         return await respond(request, ctx, body, self.request_id, gen, Accumulator(body.n), fmt, self.policy)
 
 
@@ -113,6 +115,8 @@ class CompletionAdapter(ServingAdapter):
         echo = [texts[i // body.n] for i in range(len(acc.choices))]
         fmt = CompletionFormat(f"cmpl-{self.request_id}", int(time.time()), ctx.model_name, body.logprobs or 0, echo)
         fmt.token_ids_as_text = body.return_tokens_as_token_ids
+        if body.prompt_logprobs is not None:
+            fmt.prompt_logprobs, fmt.choices_per_prompt = gen.prompt_logprobs, body.n
         return await respond(request, ctx, body, self.request_id, gen, acc, fmt, self.policy)
 
 

@@ -470,7 +470,6 @@ REFUSED = [
     ("/v1/chat/completions", "function_call", "required"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/chat/completions", "use_beam_search", True),
-    ("/v1/chat/completions", "prompt_logprobs", 1),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "reasoning_effort", "high"),
     ("session", "chat_template_kwargs", {"enable_thinking": True}),
@@ -479,6 +478,7 @@ REFUSED = [
     ("session", "continue_final_message", True),
     ("session", "truncate_prompt_tokens", 3),
     ("session", "return_tokens_as_token_ids", True),
+    ("session", "prompt_logprobs", 1),
 ]
 
 

@@ -6,7 +6,7 @@ to its :class:`~chatserve.reasoning.splitter.ReasoningSplitter` and says, throug
 :meth:`grammar_now`, which matcher masks the sequence's next token:
 
 - inside the reasoning: none (the model thinks freely; a request's grammar waits, not advanced);
-- the budget spent: :class:`~chatserve.structured.forced.ForcedTokens` over the end marker's tokens;
+- the budget spent: :class:`~chatserve.reasoning.forced.ForcedTokens` over the end marker's tokens;
 - after the end marker: the request's own grammar (structured outputs, forced tool calls), if any;
   when the prompt opened no reasoning block, that grammar is on from the first token
   (:attr:`ReasoningTracker.grammar_from_start`).
@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from chatserve.reasoning.config import ReasoningConfig
+from chatserve.reasoning.forced import ForcedTokens
 from chatserve.reasoning.splitter import Phase, ReasoningSplitter
-from chatserve.structured.forced import ForcedTokens
 
 
 class ReasoningTracker:

@@ -21,9 +21,9 @@ from chatserve.reasoning import (
     reasoning_parser_named,
 )
 from chatserve.reasoning.budget import MESSAGES_EFFORT_BUDGETS, OPENAI_EFFORT_BUDGETS
+from chatserve.reasoning.forced import ForcedTokens
 from chatserve.reasoning.splitter import Phase, ReasoningSplitter
 from chatserve.structured.bitmask import expand_bitmask
-from chatserve.structured.forced import ForcedTokens
 from tests.helpers.reasoning import qwen3_thinking_template, reasoning_reply
 
 # (parser, starts_in_reasoning, output text, reasoning, answer): outputs as the families write them.

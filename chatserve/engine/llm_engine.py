@@ -312,7 +312,7 @@ class LLMEngine(EngineCore):
         cache = self.block_manager.cache
         info = cache.lease_info(session_id)
         leased_until = None if info is None else time.time() + (info.expires_at - self.clock())
-        report = {
+        report: dict[str, Any] = {
             "cached_tokens": cache.peek_prefix(history_token_ids, salt=cache_salt),
             "history_tokens": len(history_token_ids),
             "leased": info is not None,

@@ -3,13 +3,43 @@ benchmarks and the tests read."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from chatserve.engine.llm_engine import LLMEngine
+    from chatserve.core.block_manager import BlockManager
+    from chatserve.core.scheduler import Scheduler
+    from chatserve.engine.kv_tiering import KVTiering
+    from chatserve.engine.output_processor import OutputProcessor
 
 
-def engine_stats(engine: LLMEngine) -> dict[str, Any]:
+class StatsSource(Protocol):
+    """What the stats read of an engine (`LLMEngine` is one): its parts and its counters, read-only."""
+
+    @property
+    def block_manager(self) -> BlockManager: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def output_processor(self) -> OutputProcessor: ...
+    @property
+    def kv_tiering(self) -> KVTiering | None: ...
+    @property
+    def spec(self) -> Any: ...
+    @property
+    def max_prefix_leased_blocks(self) -> int: ...
+    @property
+    def num_interrupted_steps(self) -> int: ...
+    @property
+    def num_steps(self) -> int: ...
+    @property
+    def batch_invariant(self) -> bool: ...
+    @property
+    def num_waiting_for_grammar(self) -> int: ...
+    @property
+    def num_waiting_for_kv(self) -> int: ...
+
+
+def engine_stats(engine: StatsSource) -> dict[str, Any]:
     bm = engine.block_manager
     cache = bm.cache.stats()
     scheduler = engine.scheduler

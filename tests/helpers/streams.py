@@ -139,3 +139,10 @@ async def cancel_agent_stream_after(streamed: Any, deltas: int = 3) -> int:
 def total_aborts(metrics: dict[str, float]) -> float:
     """All requests the server aborted, whatever the reason (chatserve:request_aborts_total)."""
     return sum(v for k, v in metrics.items() if k.startswith("chatserve:request_aborts_total{"))
+
+
+def sse_chunks(text: str) -> list[dict[str, Any]]:
+    """The JSON chunks of an OpenAI-framed stream's body, checked to end in `[DONE]`."""
+    events = parse_sse_lines(text.replace("\r\n", "\n").split("\n"))
+    assert events[-1][1] == "[DONE]", events[-1]
+    return [json.loads(data) for _, data in events[:-1]]

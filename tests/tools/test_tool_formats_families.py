@@ -12,17 +12,15 @@ the first turn's cached prefix; a call cut by max_tokens comes back as a call wi
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-from tests.helpers.asgi import app_client
-from tests.helpers.streams import parse_sse_lines
+from tests.helpers.asgi import tiny_model_client
+from tests.helpers.streams import parse_sse_lines, sse_chunks
 from tests.helpers.tiny_families import TOOL_FAMILIES, tool_template, with_chat_template
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
@@ -49,24 +47,8 @@ def family_models(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@contextlib.asynccontextmanager
-async def _client(folder: Path) -> AsyncIterator[Any]:
-    from chatserve import AsyncLLMEngine, EngineArgs
-
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_env(model=str(folder), dtype="float32", num_threads=1,
-                                                                 max_model_len=512, block_size=16,
-                                                                 served_model_name="tiny"))
-    try:
-        async with app_client(engine, lifespan=True) as client:
-            yield client
-    finally:
-        await engine.shutdown()
 
 
-def chunks(text: str) -> list[dict[str, Any]]:
-    events = parse_sse_lines(text.replace("\r\n", "\n").split("\n"))
-    assert events[-1][1] == "[DONE]", events[-1]
-    return [json.loads(data) for _, data in events[:-1]]
 
 
 def body(**extra: Any) -> dict[str, Any]:
@@ -77,7 +59,7 @@ def body(**extra: Any) -> dict[str, Any]:
 @pytest.mark.anyio
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_a_family_calls_tools_in_its_own_format(family_models, family) -> None:
-    async with _client(family_models[family]) as client:
+    async with tiny_model_client(family_models[family], max_model_len=512) as client:
         # greedy forced calls: "required" and a named function
         required = await client.post("/v1/chat/completions", json=body(tool_choice="required", parallel_tool_calls=False))
         named = await client.post("/v1/chat/completions", json=body(
@@ -108,7 +90,7 @@ async def test_a_family_calls_tools_in_its_own_format(family_models, family) -> 
         whole = required.json()["choices"][0]["message"]["tool_calls"][0]
 
         # streamed: id and name first, then the arguments in more than one piece, the same as the body's
-        deltas = [c["choices"][0]["delta"] for c in chunks(streamed.text) if c["choices"]]
+        deltas = [c["choices"][0]["delta"] for c in sse_chunks(streamed.text) if c["choices"]]
         calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
         assert calls[0]["function"]["name"] == "get_weather" and calls[0]["function"]["arguments"] == ""
         pieces = [tc["function"]["arguments"] for tc in calls[1:]]
@@ -145,7 +127,7 @@ async def test_mistral_template_refuses_other_ids_so_they_are_rendered_as_nine_a
             "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
-    async with _client(family_models["mistral"]) as client:
+    async with tiny_model_client(family_models["mistral"], max_model_len=512) as client:
         resp = await client.post("/v1/chat/completions", json={**body(max_tokens=2), "messages": history})
         assert resp.status_code == 200, resp.text
 

@@ -8,7 +8,6 @@ extra fields where the SDK is the client.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from tests.helpers.asgi import app_client
-from tests.helpers.streams import parse_sse_lines
+from tests.helpers.streams import sse_chunks
 
 PROMPT = "The sky is blue because the light of the sun is scattered by the air"
 ASK = [{"role": "user", "content": "Name a colour."}]
@@ -42,10 +41,6 @@ async def served(folder: Any) -> AsyncIterator[tuple[Any, openai.AsyncOpenAI]]:
         await engine.shutdown()
 
 
-def chunks(text: str) -> list[dict[str, Any]]:
-    events = parse_sse_lines(text.replace("\r\n", "\n").split("\n"))
-    assert events[-1][1] == "[DONE]", events[-1]
-    return [json.loads(data) for _, data in events[:-1]]
 
 
 def check_entries(entries: list[Any], prompt_ids: list[int], k: int) -> None:
@@ -92,13 +87,13 @@ async def test_completions_and_chat_return_prompt_logprobs_as_vllm(tiny_checkpoi
         # streams: in the first chunk that has them, once
         r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
                                                      "stream": True, "prompt_logprobs": 3})
-        got = chunks(r.text)
+        got = sse_chunks(r.text)
         carrying = [c for c in got if c["choices"] and "prompt_logprobs" in c["choices"][0]]
         assert len(carrying) == 1 and carrying[0] is got[0]
         assert carrying[0]["choices"][0]["prompt_logprobs"] == first
         r = await http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 3, "temperature": 0,
                                                           "stream": True, "prompt_logprobs": 2})
-        got = chunks(r.text)
+        got = sse_chunks(r.text)
         carrying = [c for c in got if "prompt_logprobs" in c]
         assert len(carrying) == 1 and carrying[0]["prompt_logprobs"] == entries
 

@@ -8,18 +8,15 @@ scripted worker under the real engine (FakeEngine) does, and the prompt it was h
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from chatserve.server.openai.fim import FIM_SPELLINGS
-from tests.helpers.asgi import app_client
+from tests.helpers.asgi import app_client, tiny_model_client
 from tests.helpers.fake_engine import FakeEngine
-from tests.helpers.streams import parse_sse_lines
+from tests.helpers.streams import sse_chunks
 
 REPLY = "Hello there, friend."
 ASK = [{"role": "user", "content": "Name a colour."}]
@@ -30,31 +27,15 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@contextlib.asynccontextmanager
-async def real_client(folder: Any) -> AsyncIterator[Any]:
-    from chatserve import AsyncLLMEngine, EngineArgs
-
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_env(model=str(folder), dtype="float32", num_threads=1,
-                                                                 max_model_len=256, block_size=16,
-                                                                 served_model_name="tiny"))
-    try:
-        async with app_client(engine, lifespan=True) as client:
-            yield client
-    finally:
-        await engine.shutdown()
 
 
-def chunks(text: str) -> list[dict[str, Any]]:
-    events = parse_sse_lines(text.replace("\r\n", "\n").split("\n"))
-    assert events[-1][1] == "[DONE]", events[-1]
-    return [json.loads(data) for _, data in events[:-1]]
 
 
 # ---- tokens that matter: a real tiny engine ---------------------------------------------------------
 @pytest.mark.anyio
 async def test_logit_bias_allowed_token_ids_and_bad_words_change_a_real_reply(tiny_checkpoint, smollm_tokenizer) -> None:
     tok = smollm_tokenizer
-    async with real_client(tiny_checkpoint("llama")) as client:
+    async with tiny_model_client(tiny_checkpoint("llama")) as client:
         async def reply_ids(**extra: Any) -> list[int]:
             r = await client.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 6, "temperature": 0,
                                                            "logprobs": 0, "return_tokens_as_token_ids": True, **extra})
@@ -134,7 +115,7 @@ async def test_chat_echo_prepends_the_last_message_as_vllm(smollm_tokenizer) -> 
         # streamed: the echo comes right after the role delta, then the reply
         r = await client.post("/v1/chat/completions", json={"messages": prefill, "echo": True, "stream": True,
                                                             "add_generation_prompt": False})
-        deltas = [c["choices"][0]["delta"].get("content") for c in chunks(r.text) if c["choices"]]
+        deltas = [c["choices"][0]["delta"].get("content") for c in sse_chunks(r.text) if c["choices"]]
         assert deltas[:2] == ["", "My answer:"] and "".join(d or "" for d in deltas) == "My answer:" + REPLY
 
 

@@ -70,7 +70,7 @@ class RequestStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     # Why the prefix cache stopped where it did, at first admission (chatserve.cache.MissReason):
-    # "none" (a full hit), "new", "evicted" or "diverged" (at token cache_diverged_at).
+    # "none" (a full hit), "new", "evicted", "diverged" (at token cache_diverged_at) or "skipped" (prompt_logprobs).
     cache_miss_reason: str = "new"
     cache_diverged_at: int | None = None
     cache_lease_hit: bool = False  # the hit ended on a leased branch (a session's, or a leased prompt prefix)

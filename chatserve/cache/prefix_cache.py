@@ -42,12 +42,13 @@ __all__ = [
     "NoPrefixCache",
 ]
 
-MissReason = Literal["none", "new", "evicted", "diverged"]
+MissReason = Literal["none", "new", "evicted", "diverged", "skipped"]
 """Why the first uncached prompt token was not cached: ``none`` (nothing missed but the last
 token, which is always computed), ``new`` (the tree never held this continuation, as far as it
 remembers), ``evicted`` (it held this block's prefix recently and evicted it), ``diverged`` (the
 tree holds a sequence that agrees with the prompt up to some token k > 0 and then continues
-differently: a re-templated history, an edited turn)."""
+differently: a re-templated history, an edited turn), ``skipped`` (the request does not read the
+cache: it asked for prompt logprobs, which need every prompt position computed)."""
 
 
 class MatchResult(NamedTuple):

@@ -32,6 +32,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from chatserve.cache.prefix_cache import MissExplanation
 from chatserve.config import SchedulerConfig
 from chatserve.core.block_manager import BlockManager
 from chatserve.core.sequence import Sequence, SequenceStatus
@@ -213,7 +214,9 @@ class Scheduler:
             if reads_cache:
                 cached += self.blocks.reuse_partial_block(seq)
             first_admission = seq.stats.first_scheduled_time is None  # the request's first (of any of its n)
-            why = self.blocks.explain_miss(seq, cached) if first_admission else None
+            why = None
+            if first_admission:
+                why = self.blocks.explain_miss(seq, cached) if reads_cache else MissExplanation("skipped", None, False)
             n = min(seq.num_uncomputed_tokens, budget, chunk)
             if not self.blocks.allocate(seq, n):
                 self.blocks.release(seq, keep_in_cache=False)

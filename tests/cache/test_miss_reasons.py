@@ -96,7 +96,7 @@ def test_engine_reports_each_reason_on_the_request_record(folder):
     back = llm.generate(seen, PARAMS)[0]
     assert back.stats.cache_miss_reason == "evicted" and back.num_cached_tokens == 0
     reasons = llm.engine.stats()["prefix_cache_miss_reasons"]
-    assert reasons == {"none": 1, "new": 5, "evicted": 1, "diverged": 1}
+    assert reasons == {"none": 1, "new": 5, "evicted": 1, "diverged": 1, "skipped": 0}
     assert not first.stats.cache_lease_hit and first.stats.session_history_matched is None
     llm.engine.check_integrity()
 

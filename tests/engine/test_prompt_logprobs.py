@@ -105,6 +105,7 @@ def test_the_prefix_cache_is_written_not_read(folder) -> None:
         assert run(llm, [PROMPT], [warm])[0].num_cached_tokens > 0
         hit = run(llm, [PROMPT], [asked])[0]
         assert hit.num_cached_tokens == 0 and hit.prompt_logprobs is not None
+        assert hit.stats.cache_miss_reason == "skipped"  # on purpose, and said so
         # what a prompt_logprobs request computes is published: a later plain request hits it
         first = run(llm, [OTHER], [asked])[0]
         assert first.num_cached_tokens == 0

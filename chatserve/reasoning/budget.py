@@ -12,7 +12,7 @@ value         OpenAI ``reasoning_effort`` / Responses      Messages ``output_con
 ``low``       1024                                         1024
 ``medium``    4096                                         4096
 ``high``      16384                                        16384
-``xhigh``     32768                                        -
+``xhigh``     32768                                        32768
 ``max``       -                                            None (unbounded)
 ============  ==========================================  ==========================
 
@@ -41,6 +41,7 @@ MESSAGES_EFFORT_BUDGETS: dict[str, int | None] = {
     "low": 1024,
     "medium": 4096,
     "high": 16384,
+    "xhigh": 32768,
     "max": None,
 }
 

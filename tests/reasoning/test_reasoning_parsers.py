@@ -135,13 +135,13 @@ def test_parser_names_and_detection():
 def test_the_budget_table():
     assert OPENAI_EFFORT_BUDGETS == {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384,
                                      "xhigh": 32768}
-    assert MESSAGES_EFFORT_BUDGETS == {"low": 1024, "medium": 4096, "high": 16384, "max": None}
+    assert MESSAGES_EFFORT_BUDGETS == {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None}
     assert budget_for_effort("low", api="responses") == 1024
     with pytest.raises(ValueError, match="reasoning_effort must be one of none, minimal"):
         budget_for_effort("extreme", api="openai")
     with pytest.raises(ValueError, match="reasoning.effort"):
         budget_for_effort("max", api="responses")
-    with pytest.raises(ValueError, match="output_config.effort must be one of low, medium, high, max"):
+    with pytest.raises(ValueError, match="output_config.effort must be one of low, medium, high, xhigh, max"):
         budget_for_effort("none", api="messages")
 
 
@@ -160,7 +160,7 @@ def test_reasoning_config_for():
     assert reasoning_config_for("qwen3", closed, enable_thinking=False) is None
     assert reasoning_config_for("qwen3", opened, enable_thinking=False) == ReasoningConfig("qwen3", 0, True)
     with pytest.raises(ValueError, match="output_config.effort"):
-        reasoning_config_for("qwen3", opened, effort="xhigh", api="messages")
+        reasoning_config_for("qwen3", opened, effort="minimal", api="messages")
     with pytest.raises(ValueError, match="budget_tokens"):
         reasoning_config_for("qwen3", opened, budget_tokens=-1)
     with pytest.raises(ValueError, match="reasoning_parser"):

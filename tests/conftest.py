@@ -301,8 +301,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SHARED_FIXTURES = ("hf_default", "shared_server")
 TESTS_DIR = Path(__file__).resolve().parent
 MODULE_SECONDS_KEY = "chatserve/module_seconds"
-# Each module's test time from a two-worker run capped at the AVX2 tier (the slowest host kind): the
-# order of a clean clone (CI), where pytest's cache is empty. To refresh it from this checkout's last
+# Each module's test time from a clean clone's two-worker run (last: an AMX host, after tests moved into
+# folders by layer): the order of a clean clone (CI), where pytest's cache is empty. To refresh it from this checkout's last
 # run: python -c "import json; d = json.load(open('.pytest_cache/v/chatserve/module_seconds'));
 # json.dump(d, open('tests/module_seconds.json', 'w'), indent=0, sort_keys=True)"
 MODULE_SECONDS_FILE = TESTS_DIR / "module_seconds.json"

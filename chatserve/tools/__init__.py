@@ -10,6 +10,7 @@ from chatserve.tools.formats import (
     LLAMA3_JSON,
     MISTRAL,
     MISTRAL_V11,
+    MISTRAL_V13,
     PYTHONIC,
     QWEN3_CODER,
     TOOL_CALL_PARSERS,
@@ -22,7 +23,7 @@ from chatserve.tools.parser import ParsedReply, ToolCallStreamParser, parse_tool
 from chatserve.tools.spec import FunctionTool, ToolCall, ToolChoice, new_call_id, shipped_tool_template
 
 __all__ = [
-    "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_V11", "PYTHONIC", "QWEN3_CODER", "TOOL_CALL_PARSERS", "XLAM",
+    "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_V11", "MISTRAL_V13", "PYTHONIC", "QWEN3_CODER", "TOOL_CALL_PARSERS", "XLAM",
     "FunctionTool", "ParsedReply", "ToolCall", "ToolCallStreamParser", "ToolChoice", "ToolFormat", "new_call_id",
     "parse_tool_calls", "shipped_tool_template", "tool_format_named", "tool_grammar",
 ]

@@ -60,8 +60,9 @@ class CallSink(Protocol):
     known: frozenset[str]
     schemas: Mapping[str, Mapping[str, Any]]  # each known tool's arguments schema (typing XML parameters)
 
-    def next_call(self) -> tuple[int, str]:
-        """The next call's index and a fresh id."""
+    def next_call(self, own_id: str | None = None) -> tuple[int, str]:
+        """The next call's index and its id: `own_id` (the id the model wrote, Mistral v13's) unless it
+        is missing or already taken in this reply, else a fresh one."""
 
     def ended(self, call: ToolCall) -> None:
         """A call is over (kept in order for `parse_tool_calls`)."""
@@ -99,8 +100,8 @@ class BlockReader(ABC):
         """The reply ended inside the block (`truncated`: by max_tokens): end what started, release the rest."""
 
     # ---- calls ------------------------------------------------------------------------------------
-    def start_call(self, name: str, out: list[StreamEvent]) -> OpenCall:
-        index, call_id = self.sink.next_call()
+    def start_call(self, name: str, out: list[StreamEvent], own_id: str | None = None) -> OpenCall:
+        index, call_id = self.sink.next_call(own_id)
         self._block_calls += 1
         out.append(CallStart(index, call_id, name))
         return OpenCall(index, call_id, name)

@@ -8,10 +8,11 @@ vLLM's names, and the spellings those families were trained on:
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`.
 - `llama3_json` (Llama 3.1+ JSON calls): a bare object `{"name": "f", "parameters": {...}}`, with or
   without a leading `<|python_tag|>`, several separated by `;`.
-- `mistral`: after `[TOOL_CALLS]`, either a JSON list of calls (v3 tokenizers) or `f[ARGS]{...}`
-  (v11+ templates, `[TOOL_CALLS]` again before each further call); both are read, and the constraint
-  writes the spelling the model's template uses. Call ids are 9 alphanumerics (Mistral's templates
-  refuse any other).
+- `mistral`: after `[TOOL_CALLS]`, a JSON list of calls (v3 tokenizers), `f[ARGS]{...}` (v11 templates)
+  or `f[CALL_ID]id[ARGS]{...}` (v13 templates: Magistral, Mistral Small 3.2, Devstral), `[TOOL_CALLS]`
+  again before each further call in the last two; all three are read (v13's id becomes the call's
+  id), and the constraint writes the spelling the model's template uses. Call ids are 9 alphanumerics
+  (Mistral's templates refuse any other).
 - `qwen3_coder`: XML, `<tool_call>\\n<function=f>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>`,
   each value typed from the function's schema.
 - `pythonic` (Llama 3.2/4's pythonic calls): a Python list of calls, `[f(a=1, b="x"), g()]`.
@@ -49,6 +50,8 @@ class ToolFormat:
     `list_in_block`: the constrained spelling is one JSON list of calls in one block (xlam, mistral v3).
     `call_separator`: what stands between two calls of one block besides a list's commas (llama's ";").
     `arguments_key`: the key the constrained spelling writes the arguments under.
+    `bare_name`: calls may be mistral's `name[ARGS]{...}`; `call_id_tag`: the constrained spelling is
+    `name[CALL_ID]id[ARGS]{...}` (mistral v13), the id 9 alphanumerics the model writes.
     """
 
     name: str
@@ -61,6 +64,7 @@ class ToolFormat:
     bare_name: bool = False
     arguments_key: str = "arguments"
     mistral_ids: bool = False
+    call_id_tag: bool = False
 
     @property
     def opening(self) -> str:
@@ -79,7 +83,10 @@ MISTRAL = ToolFormat("mistral", openings=("[TOOL_CALLS]",), closing="", list_in_
                      mistral_ids=True)
 """Mistral as v3 tokenizers write it: a JSON list after `[TOOL_CALLS]` (the v11 spelling is read too)."""
 MISTRAL_V11 = ToolFormat("mistral", openings=("[TOOL_CALLS]",), closing="", bare_name=True, mistral_ids=True)
-"""Mistral as v11+ templates write it: `[TOOL_CALLS]name[ARGS]{...}` per call (the list is read too)."""
+"""Mistral as v11 templates write it: `[TOOL_CALLS]name[ARGS]{...}` per call (the other spellings are read too)."""
+MISTRAL_V13 = ToolFormat("mistral", openings=("[TOOL_CALLS]",), closing="", bare_name=True, mistral_ids=True,
+                         call_id_tag=True)
+"""Mistral as v13 templates write it: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` per call (the others read too)."""
 QWEN3_CODER = ToolFormat("qwen3_coder", syntax="xml")
 PYTHONIC = ToolFormat("pythonic", syntax="pythonic", openings=("[",), closing="", kept=("[",))
 

@@ -63,6 +63,10 @@ def _const(text: str) -> Format:
     return {"type": "const_string", "value": text}
 
 
+_MISTRAL_ID: Format = {"type": "regex", "pattern": "[A-Za-z0-9]{9}"}
+"""A Mistral call id, as its templates take it: 9 alphanumerics."""
+
+
 def _seq(*parts: Format | None) -> Format | None:
     items = [p for p in parts if p is not None]
     if not items:
@@ -138,6 +142,10 @@ def spelling(fmt: ToolFormat, tools: list[FunctionTool]) -> Spelling:
     if fmt.list_in_block:
         return Spelling([_schema(_call_object_schema(t, fmt.arguments_key)) for t in tools], ", ", [fmt.opening],
                         (fmt.opening, fmt.closing))
+    if fmt.call_id_tag:  # mistral v13: the model writes the call's id (9 alphanumerics), then its arguments
+        return Spelling([_tag(f"{fmt.opening}{t.name}[CALL_ID]",
+                              {"type": "sequence", "elements": [_MISTRAL_ID, _const("[ARGS]"), _schema(t.arguments_schema)]},
+                              "") for t in tools], "", [fmt.opening])
     if fmt.bare_name:  # mistral v11
         return Spelling([_tag(f"{fmt.opening}{t.name}[ARGS]", _schema(t.arguments_schema), "") for t in tools],
                         "", [fmt.opening])

@@ -4,7 +4,8 @@ Each character is looked at once. It knows when it is inside a string, so a clos
 argument's string is text of that argument, not the end of the block. A call object is
 `{"name": ..., "arguments" | "parameters": {...} or its JSON text}` in any member order; a block holds
 one, a list of them (xlam, mistral v3), several separated by the format's `call_separator` (llama's
-`;`), or mistral v11's `name[ARGS]{...}`. A call starts once its name names a known tool and its
+`;`), or mistral's `name[ARGS]{...}` (v11) or `name[CALL_ID]id[ARGS]{...}` (v13, whose id, 9 alphanumerics,
+becomes the call's). A call starts once its name names a known tool and its
 arguments object has begun; its arguments then stream as their JSON text exactly as generated, each
 piece sent once the scanner checked it continues valid JSON.
 
@@ -28,9 +29,12 @@ _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_PREFIX = re.compile(r"-?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*|(?:\.[0-9]+)?[eE][+-]?[0-9]*)?)?")
 _BARE_NAME = re.compile(r"[A-Za-z0-9_.\-]*")
+_BARE_ID = re.compile(r"[A-Za-z0-9]*")
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 _LITERALS = ("true", "false", "null")
 _NAME_KEY, _ARGS_KEYS = "name", ("arguments", "parameters")
-_ARGS_TAG = "[ARGS]"
+_ARGS_TAG, _CALL_ID_TAG = "[ARGS]", "[CALL_ID]"
+_BARE_TAGS = (_ARGS_TAG, _CALL_ID_TAG)  # what may follow mistral's bare name
 
 
 class _Malformed(Exception):
@@ -55,6 +59,7 @@ class _Call:
     key: str | None = None  # what the member being read is: "name", "args" or None (another key)
     name: str | None = None
     bare: bool = False  # mistral's name[ARGS]{...}: the arguments object is the call
+    call_id: str | None = None  # mistral v13's own id (name[CALL_ID]id[ARGS]), when it is 9 alphanumerics
     args_start: int | None = None  # the arguments value's first character
     args_end: int | None = None  # one past its last, once it is whole
     args_text: str | None = None  # arguments given as a JSON string (decoded), or "{}" when there are none
@@ -68,11 +73,11 @@ class JsonBlockReader(BlockReader):
         self.fmt = fmt
         self._stack: list[list[str | None]] = []  # frames [kind "o"/"a", state, role "calls"/"call"/"args"/None]
         self._top_done = False
-        self._token: str | None = None  # inside a "str", "num", "lit" or "bare" (a bare name)
+        self._token: str | None = None  # inside a "str", "num", "lit", "bare" (a bare name) or "id" (mistral's call id)
         self._token_start = 0
         self._escape = 0  # in a string: 1 after a backslash, 2..5 inside a \uXXXX
         self._capture: str | None = None  # what the string being read is: "key", "name", "args" or None
-        self._tag_start: int | None = None  # a closing tag (or mistral's [ARGS]) being matched from here
+        self._tag_start: int | None = None  # a closing tag (or mistral's [ARGS] / [CALL_ID]) being matched from here
         self._tag = fmt.closing
         self._call: _Call | None = None
 
@@ -125,7 +130,7 @@ class JsonBlockReader(BlockReader):
         bare name (mistral v11) can only be."""
         if self._token == "bare":
             return only_known_with_prefix(self.sink.known, self.block[self._token_start:cut])
-        if self._tag_start is not None and self._tag == _ARGS_TAG:
+        if self._tag_start is not None and self._tag in _BARE_TAGS:
             name = self.block[self._token_start:self._tag_start]
             return name if name in self.sink.known else None
         if len(self.sink.known) == 1 and self._nothing_yet():
@@ -152,7 +157,7 @@ class JsonBlockReader(BlockReader):
     # ---- calls ------------------------------------------------------------------------------------
     def _start(self, cur: _Call, name: str, out: list[StreamEvent]) -> None:
         cur.name = name
-        cur.open = self.start_call(name, out)
+        cur.open = self.start_call(name, out, cur.call_id)
 
     def _maybe_start(self, cur: _Call, out: list[StreamEvent]) -> None:
         if cur.open is not None or cur.name is None:
@@ -247,6 +252,20 @@ class JsonBlockReader(BlockReader):
                     self._token, self._tag, self._tag_start = None, _ARGS_TAG, j
                     i = j + 1
                     continue
+                if token == "id":  # mistral v13's call id, then [ARGS]
+                    j = _BARE_ID.match(text, i).end()  # type: ignore[union-attr]
+                    if j == n:
+                        i = n
+                        break
+                    cur = self._call
+                    assert cur is not None
+                    if text[j] != "[":
+                        raise _Malformed(cur.start)
+                    own = text[self._token_start:j]
+                    cur.call_id = own if _MISTRAL_ID.fullmatch(own) else None  # else the format's own kind of id
+                    self._token, self._tag, self._tag_start = None, _ARGS_TAG, j
+                    i = j + 1
+                    continue
                 ch = text[i]
                 if token == "num":
                     if ch in _NUMBER_CHARS:
@@ -267,11 +286,11 @@ class JsonBlockReader(BlockReader):
                     continue
                 if self._tag_start is not None:
                     if ch != self._tag[i - self._tag_start]:
-                        raise _Malformed(self._tag_start if self._tag != _ARGS_TAG else self._token_start)
+                        self._other_bare_tag(text, i)
                     i += 1
                     if i - self._tag_start == len(self._tag):
-                        if self._tag == _ARGS_TAG:
-                            self._bare_name_done(self._tag_start)
+                        if self._tag in _BARE_TAGS:
+                            self._bare_tag_done(i)
                             continue
                         raise _Closed(self._tag_start, i)
                     continue
@@ -290,12 +309,33 @@ class JsonBlockReader(BlockReader):
         finally:
             self._pos = i
 
-    def _bare_name_done(self, tag_start: int) -> None:
-        """mistral's `name[ARGS]` is read: its arguments object comes next."""
-        name = self.block[self._token_start:tag_start]
-        if name not in self.sink.known:
-            raise _Malformed(self._token_start)
-        self._call = _Call(self._token_start, key="args", name=name, bare=True)
+    def _other_bare_tag(self, text: str, i: int) -> None:
+        """`text[i]` does not continue the tag being matched: right after a bare name, the other tag that
+        may follow it ([ARGS] or [CALL_ID]) is matched instead if it fits; anything else is malformed."""
+        assert self._tag_start is not None
+        if self._tag not in _BARE_TAGS:
+            raise _Malformed(self._tag_start)
+        cur = self._call
+        if cur is None:  # after the name: either tag
+            seen = text[self._tag_start:i + 1]
+            other = next((t for t in _BARE_TAGS if t.startswith(seen)), None)
+            if other is not None:
+                self._tag = other
+                return
+        raise _Malformed(cur.start if cur is not None else self._token_start)
+
+    def _bare_tag_done(self, end: int) -> None:
+        """mistral's `name[ARGS]` or `name[CALL_ID]` is read (or, after the id, its `[ARGS]`): the call's
+        arguments object comes next, or first its id."""
+        cur = self._call
+        if cur is None:
+            assert self._tag_start is not None
+            name = self.block[self._token_start:self._tag_start]
+            if name not in self.sink.known:
+                raise _Malformed(self._token_start)
+            self._call = _Call(self._token_start, key="args", name=name, bare=True)
+            if self._tag == _CALL_ID_TAG:
+                self._begin_token("id", end)
         self._tag_start, self._tag = None, self.fmt.closing
 
     def _structural(self, text: str, i: int, ch: str, out: list[StreamEvent]) -> None:

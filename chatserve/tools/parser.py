@@ -93,7 +93,7 @@ class ToolCallStreamParser:
 
     `known_names`: the tools a reply may call, or {name: arguments schema} (the schemas type
     qwen3_coder's XML parameters). `make_id` makes call ids (default: the format's, e.g. Mistral's
-    9 alphanumerics)."""
+    9 alphanumerics); a call that carries its own id (Mistral v13's `name[CALL_ID]id[ARGS]`) keeps it."""
 
     def __init__(self, fmt: ToolFormat, known_names: Collection[str] | Mapping[str, Mapping[str, Any]],
                  make_id: Callable[[], str] | None = None) -> None:
@@ -103,6 +103,7 @@ class ToolCallStreamParser:
         self.make_id = make_id or fmt.new_call_id
         self.calls: list[ToolCall] = []  # the calls that ended, in order
         self._started = 0
+        self._ids: set[str] = set()  # the ids given so far (a model's own id is not given twice)
         self._buffer = ""  # outside a block: text held back as a possible opening
         self._reader: BlockReader | None = None  # inside a block: its reader
 
@@ -112,10 +113,12 @@ class ToolCallStreamParser:
         return bool(self.calls) and all(c.complete for c in self.calls)
 
     # ---- what block readers ask of the parser (events.CallSink) ------------------------------------
-    def next_call(self) -> tuple[int, str]:
+    def next_call(self, own_id: str | None = None) -> tuple[int, str]:
         index = self._started
         self._started += 1
-        return index, self.make_id()
+        call_id = own_id if own_id is not None and own_id not in self._ids else self.make_id()
+        self._ids.add(call_id)
+        return index, call_id
 
     def ended(self, call: ToolCall) -> None:
         self.calls.append(call)

@@ -2,8 +2,8 @@
 
 By default the format is the one the chat template itself writes calls in, found once per template by
 rendering a probe conversation (a tool offered, one call to it, its result) and looking at how the
-call came out: `<function=...>` is qwen3_coder, `[TOOL_CALLS]` mistral (its list or its `name[ARGS]`
-spelling), `name(...)` in a list pythonic, `{"name": ..., "parameters": ...}` llama3_json,
+call came out: `<function=...>` is qwen3_coder, `[TOOL_CALLS]` mistral (its list, its `name[ARGS]`
+or its `name[CALL_ID]id[ARGS]` spelling), `name(...)` in a list pythonic, `{"name": ..., "parameters": ...}` llama3_json,
 `<tool_call>[...]` xlam, `<tool_call>{...}` hermes (also the guess for a template that renders tools
 but no calls). A template that ignores tools (SmolLM2's) gets chatserve's shipped xLAM template, the
 format SmolLM2 was trained on.
@@ -29,6 +29,7 @@ from chatserve.tools.formats import (
     LLAMA3_JSON,
     MISTRAL,
     MISTRAL_V11,
+    MISTRAL_V13,
     PYTHONIC,
     QWEN3_CODER,
     XLAM,
@@ -78,7 +79,9 @@ def format_in_text(text: str) -> ToolFormat:
     at = text.find("[TOOL_CALLS]")
     if at >= 0:
         rest = text[at + len("[TOOL_CALLS]"):].lstrip()
-        return MISTRAL if rest.startswith("[") or rest.startswith("{") else MISTRAL_V11
+        if rest.startswith("[") or rest.startswith("{"):
+            return MISTRAL
+        return MISTRAL_V13 if rest.startswith(f"{_PROBE}[CALL_ID]") else MISTRAL_V11
     if f"{_PROBE}(" in text:
         return PYTHONIC
     if "<tool_call>" in text:

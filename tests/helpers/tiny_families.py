@@ -171,7 +171,8 @@ def write_family_gguf(path: Path, name: str, model: Any, default_gguf: str, qtyp
 # ---- chat templates with each family's tool-call syntax (issue 55) ---------------------------------------
 # tests/helpers/tool_templates/: written after the families' own templates (Llama 3.1's JSON tool calls as
 # vLLM's example has them, Mistral's v11 `[TOOL_CALLS]name[ARGS]` with its 9-alphanumeric id check, Mistral
-# v3's JSON list, Qwen3-Coder's XML, Llama 3.2's pythonic calls), for tiny random models with SmolLM2's tokenizer.
+# v13's `[TOOL_CALLS]name[CALL_ID]id[ARGS]`, Mistral v3's JSON list, Qwen3-Coder's XML, Llama 3.2's pythonic
+# calls), for tiny random models with SmolLM2's tokenizer.
 TOOL_TEMPLATES = Path(__file__).resolve().parent / "tool_templates"
 
 
@@ -180,9 +181,10 @@ def tool_template(name: str) -> str:
 
 
 TOOL_FAMILIES: dict[str, tuple[str, str]] = {
-    # --tool-call-parser name: (tiny architecture, template file)
+    # --tool-call-parser name (a second spelling of one: name_spelling): (tiny architecture, template file)
     "llama3_json": ("llama", "llama3.1_json"),
     "mistral": ("mistral", "mistral_v11"),
+    "mistral_v13": ("mistral", "mistral_v13"),
     "qwen3_coder": ("qwen3", "qwen3_coder"),
     "pythonic": ("llama", "llama3.2_pythonic"),
 }

@@ -1,13 +1,16 @@
 """Each family's tool-call format with a tiny random model whose chat template has that family's tool
 syntax (tests/helpers/tool_templates), served in-process (issue 55).
 
-Per format (llama3_json, mistral, qwen3_coder, pythonic; the format is found from the template):
+Per format (llama3_json, mistral in its v11 and v13 spellings, qwen3_coder, pythonic; the format is found
+from the template):
 greedy forced calls ("required" and a named function) parse into the right function with arguments
 that validate against its schema; a streamed call's arguments arrive in more than one chunk and
 concatenate to the non-streamed arguments (OpenAI deltas and the Messages API's input_json_delta);
 the round trip (assistant tool_calls + the tool result rendered through the family's template) reuses
 the first turn's cached prefix; a call cut by max_tokens comes back as a call with finish_reason
-"length"; Mistral's ids are 9 alphanumerics (its template refuses any other on the round trip).
+"length"; Mistral's ids are 9 alphanumerics (its template refuses any other on the round trip), and v13's
+are the ones the model wrote (`name[CALL_ID]id[ARGS]`): the same greedy call has the same id streamed or not,
+in the Messages API too.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ async def test_a_family_calls_tools_in_its_own_format(family_models, family) -> 
             assert call["function"]["name"] == name
             schema = PARAMS if name == "get_weather" else TIME["function"]["parameters"]
             jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
-            if family == "mistral":
+            if family.startswith("mistral"):
                 assert len(call["id"]) == 9 and call["id"].isalnum(), call["id"]
             else:
                 assert call["id"].startswith("call_")
@@ -95,6 +98,8 @@ async def test_a_family_calls_tools_in_its_own_format(family_models, family) -> 
         assert calls[0]["function"]["name"] == "get_weather" and calls[0]["function"]["arguments"] == ""
         pieces = [tc["function"]["arguments"] for tc in calls[1:]]
         assert len(pieces) > 1 and "".join(pieces) == whole["function"]["arguments"]
+        if family == "mistral_v13":  # the model's own id, so the same greedy call has the same one
+            assert calls[0]["id"] == whole["id"]
 
         # the Messages API: input_json_delta pieces that concatenate to the same arguments
         events = [json.loads(data) for _, data in parse_sse_lines(messages.text.replace("\r\n", "\n").split("\n"))
@@ -102,6 +107,10 @@ async def test_a_family_calls_tools_in_its_own_format(family_models, family) -> 
         partial = [e["delta"]["partial_json"] for e in events if e.get("type") == "content_block_delta"
                    and e["delta"]["type"] == "input_json_delta"]
         assert len(partial) > 1 and json.loads("".join(partial)) == json.loads(whole["function"]["arguments"])
+        if family == "mistral_v13":
+            (start,) = [e for e in events if e.get("type") == "content_block_start"
+                        and e["content_block"]["type"] == "tool_use"]
+            assert start["content_block"]["id"] == whole["id"]
 
         # cut by max_tokens: still a call, finish_reason "length"
         assert cut.status_code == 200, cut.text

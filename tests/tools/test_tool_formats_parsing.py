@@ -1,4 +1,4 @@
-"""Each family's tool-call format without a model (issue 55): llama3_json, mistral (both spellings),
+"""Each family's tool-call format without a model (issue 55): llama3_json, mistral (its three spellings),
 qwen3_coder and pythonic, beside hermes and xlam.
 
 Recorded replies are parsed whole and streamed in every chunking: text before and after a call stays
@@ -26,6 +26,7 @@ from chatserve.tools import (
     LLAMA3_JSON,
     MISTRAL,
     MISTRAL_V11,
+    MISTRAL_V13,
     PYTHONIC,
     QWEN3_CODER,
     TOOL_CALL_PARSERS,
@@ -54,6 +55,10 @@ RECORDED = [
     (LLAMA3_JSON, 'Checking. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
                   '{"name": "get_time", "parameters": {}} Done.'),
     (MISTRAL, 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]get_time[ARGS]{} Done.'),
+    (MISTRAL, 'Checking. [TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris", "days": 2}'
+              '[TOOL_CALLS]get_time[CALL_ID]Zy9xW8vU7[ARGS]{} Done.'),
+    (MISTRAL_V13, 'Checking. [TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris", "days": 2}'
+                  '[TOOL_CALLS]get_time[ARGS]{} Done.'),
     (MISTRAL, 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, '
               '"id": "abcDEF123"}, {"name": "get_time", "arguments": {}}] Done.'),
     (QWEN3_CODER, "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -104,6 +109,9 @@ def test_recorded_reply_text_around_two_calls(fmt, text) -> None:
     (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Pa', '{"city": "Pa'),
     (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', '{"city": "Pa'),
     (MISTRAL, "[TOOL_CALLS]get_wea", ""),
+    (MISTRAL, '[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Pa', '{"city": "Pa'),
+    (MISTRAL, "[TOOL_CALLS]get_weather[CALL_ID]abcD", ""),
+    (MISTRAL, "[TOOL_CALLS]get_weather[CALL_", ""),
     (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", '{"city": "Pa'),
     (PYTHONIC, '[get_weather(city="Pa', '{"city": "Pa'),
 ])
@@ -116,6 +124,10 @@ def test_a_call_cut_by_max_tokens_is_a_partial_call(fmt, text, arguments) -> Non
 @pytest.mark.parametrize(("fmt", "text"), [
     (LLAMA3_JSON, "Use {x} or {\"a\": 1} in code; then {\"name\": \"nope\", \"parameters\": {}}."),
     (MISTRAL, "[TOOL_CALLS]unknown_fn[ARGS]{}"),
+    (MISTRAL, "[TOOL_CALLS]unknown_fn[CALL_ID]abcDEF123[ARGS]{}"),
+    (MISTRAL, "[TOOL_CALLS]get_time[CALL_ID]abc-DEF12[ARGS]{}"),
+    (MISTRAL, "[TOOL_CALLS]get_time[CALLS]{}"),
+    (MISTRAL, "[TOOL_CALLS]get_time[CALL_ID]abcDEF123[CALL_ID]abcDEF123[ARGS]{}"),
     (QWEN3_CODER, "<tool_call>\n<function=unknown_fn>\n</function>\n</tool_call>"),
     (PYTHONIC, "See [1], [a link](x) and [unknown_fn(a=1)]."),
 ])
@@ -148,10 +160,28 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
     assert len(short) == 9 and short.isalnum() and short == mistral_template_id("toolu_1")
 
 
+V13_REPLY = ('Checking. [TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris", "days": 2}'
+             '[TOOL_CALLS]get_time[CALL_ID]Zy9xW8vU7[ARGS]{} Done.')
+
+
+@pytest.mark.parametrize("fmt", [MISTRAL, MISTRAL_V11, MISTRAL_V13])
+def test_mistral_v13_calls_keep_the_ids_the_model_wrote(fmt) -> None:
+    parsed = parse_tool_calls(V13_REPLY, fmt, SCHEMAS, ids())
+    assert [(c.id, c.name) for c in parsed.tool_calls] == [("abcDEF123", "get_weather"), ("Zy9xW8vU7", "get_time")]
+    for step in (1, 2, 5, 64):  # streamed: the id is known before the arguments, so the call starts with it
+        starts = [e for e in stream(fmt, V13_REPLY, step) if isinstance(e, CallStart)]
+        assert [(s.id, s.name) for s in starts] == [("abcDEF123", "get_weather"), ("Zy9xW8vU7", "get_time")]
+    # an id that is not 9 alphanumerics, or one already given in the reply, is replaced by the format's own
+    again = parse_tool_calls("[TOOL_CALLS]get_time[CALL_ID]abcDEF123[ARGS]{}[TOOL_CALLS]get_time[CALL_ID]abcDEF123"
+                             "[ARGS]{}[TOOL_CALLS]get_time[CALL_ID]short[ARGS]{}", fmt, SCHEMAS, ids())
+    assert [c.id for c in again.tool_calls] == ["abcDEF123", "call_0", "call_1"]
+
+
 # ---- grammars ---------------------------------------------------------------------------------------------
 GOOD = {
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 2}',
+    "mistral_v13": '[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Oslo", "days": 2}',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
     "pythonic": '[get_weather(city="Oslo", days=2)]',
@@ -159,16 +189,19 @@ GOOD = {
 MISSING_CITY = {
     "llama3_json": '{"name": "get_weather", "parameters": {"days": 2}}',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"days": 2}',
+    "mistral_v13": '[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"days": 2}',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
     "pythonic": "[get_weather(days=2)]",
 }
 TWO = {
     "llama3_json": GOOD["llama3_json"] + '; {"name": "get_time", "parameters": {}}',
     "mistral": GOOD["mistral"] + "[TOOL_CALLS]get_time[ARGS]{}",
+    "mistral_v13": GOOD["mistral_v13"] + "[TOOL_CALLS]get_time[CALL_ID]Zy9xW8vU7[ARGS]{}",
     "qwen3_coder": GOOD["qwen3_coder"] + "\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
     "pythonic": GOOD["pythonic"][:-1] + ", get_time()]",
 }
-FORMATS = {"llama3_json": LLAMA3_JSON, "mistral": MISTRAL_V11, "qwen3_coder": QWEN3_CODER, "pythonic": PYTHONIC}
+FORMATS = {"llama3_json": LLAMA3_JSON, "mistral": MISTRAL_V11, "mistral_v13": MISTRAL_V13, "qwen3_coder": QWEN3_CODER,
+           "pythonic": PYTHONIC}
 
 
 def _accepts(tokenizer: Any, tag: dict[str, Any], text: str, whole: bool = True) -> bool:
@@ -211,6 +244,15 @@ def test_the_mistral_list_spelling_is_a_json_list_after_its_tag(smollm_tokenizer
     assert not _accepts(smollm_tokenizer, tag, "[TOOL_CALLS]get_time[ARGS]{}")
 
 
+def test_the_mistral_v13_spelling_writes_a_nine_alphanumeric_id(smollm_tokenizer) -> None:
+    tag = tool_grammar(MISTRAL_V13, TOOLS, ToolChoice("named", "get_time"))
+    assert tag is not None
+    assert _accepts(smollm_tokenizer, tag, "[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}")
+    for wrong in ("[TOOL_CALLS]get_time[ARGS]{}", "[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4[ARGS]{}",
+                  "[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e5[ARGS]{}", "[TOOL_CALLS]get_time[CALL_ID]a1B2c3D_e[ARGS]{}"):
+        assert not _accepts(smollm_tokenizer, tag, wrong), wrong
+
+
 # ---- templates ----------------------------------------------------------------------------------------------
 def processor(tokenizer: Any) -> InputProcessor:
     return InputProcessor(tokenizer, vocab_size=len(tokenizer), max_model_len=4096, max_model_len_note="",
@@ -218,7 +260,7 @@ def processor(tokenizer: Any) -> InputProcessor:
 
 
 @pytest.mark.parametrize(("template", "fmt"), [
-    ("llama3.1_json", LLAMA3_JSON), ("mistral_v11", MISTRAL_V11), ("mistral_v3", MISTRAL),
+    ("llama3.1_json", LLAMA3_JSON), ("mistral_v11", MISTRAL_V11), ("mistral_v13", MISTRAL_V13), ("mistral_v3", MISTRAL),
     ("qwen3_coder", QWEN3_CODER), ("llama3.2_pythonic", PYTHONIC),
 ])
 def test_a_family_template_is_recognised_by_the_call_it_renders(smollm_tokenizer, template, fmt) -> None:

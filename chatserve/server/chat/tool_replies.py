@@ -8,7 +8,9 @@ with its `index`, `id`, `type` and `function.name` (arguments "") as soon as its
 body's `arguments`. A choice that called tools (each call whole) and stopped finishes with
 "tool_calls"; one cut by max_tokens inside a call finishes with "length", its partial call (name,
 arguments as generated) in `tool_calls` as vLLM sends a named tool choice, never the call's markup
-as text. The accumulated raw text (what a session stores) is untouched; only its presentation changes.
+as text. A chat `echo` opens the content as `ChatFormat` sends it (in a body, before the text around the
+calls, or alone where the reply is calls only, as vLLM). The accumulated raw text (what a session stores)
+is untouched; only its presentation changes.
 Reasoning (the engine's reasoning parser split it off; `text` is the answer alone) is sent as
 `ChatFormat` sends it, and calls are read from the answer only.
 """
@@ -81,7 +83,8 @@ class ToolChatFormat(ChatFormat):
         parsed = parse_tool_calls(c.content, self.plan.format, self.plan.callable_schemas(),
                                   truncated=c.finish_reason == "length")
         if parsed.tool_calls:
-            choice["message"]["content"] = parsed.content
+            # vLLM's echo goes before the content, even the null content of a reply that is calls alone
+            choice["message"]["content"] = self.echo + (parsed.content or "") if self.echo else parsed.content
             choice["message"]["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
             choice["finish_reason"] = tool_finish_reason(c.finish_reason, all(call.complete for call in parsed.tool_calls))
         return choice

@@ -119,6 +119,43 @@ async def test_chat_echo_prepends_the_last_message_as_vllm(smollm_tokenizer) -> 
         assert deltas[:2] == ["", "My answer:"] and "".join(d or "" for d in deltas) == "My answer:" + REPLY
 
 
+CALL_TEXT = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'  # xlam, the default
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("messages", "echoed"), [
+    (ASK + [{"role": "assistant", "content": "Let me look."}], "Let me look."),  # the assistant's own turn, continued
+    (ASK, "Name a colour."),  # add_generation_prompt false: the user's role is the reply's
+])
+async def test_chat_echo_with_tool_calls_prepends_the_last_message_and_still_parses_the_calls(
+        smollm_tokenizer, messages, echoed) -> None:
+    engine = FakeEngine(smollm_tokenizer, reply=CALL_TEXT, max_model_len=1024)
+    request = {"messages": messages, "tools": [WEATHER], "echo": True, "add_generation_prompt": False}
+    async with app_client(engine) as client:
+        r = await client.post("/v1/chat/completions", json=request)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        # vLLM: the echo is prepended to the content (which a reply of calls alone leaves null)
+        assert choice["message"]["content"] == echoed and choice["finish_reason"] == "tool_calls"
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and call["function"]["arguments"] == '{"city": "Paris"}'
+        # streamed: the echo is the first content delta after the role, then the call's deltas
+        r = await client.post("/v1/chat/completions", json={**request, "stream": True})
+        assert r.status_code == 200, r.text
+        chunks = [c["choices"][0] for c in sse_chunks(r.text) if c["choices"]]
+        contents = [c["delta"]["content"] for c in chunks if c["delta"].get("content") is not None]
+        assert contents[:2] == ["", echoed] and "".join(contents) == echoed
+        calls = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert "".join(tc["function"]["arguments"] for tc in calls) == '{"city": "Paris"}'
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+        # without echo, nothing is prepended: a reply of calls alone has null content
+        r = await client.post("/v1/chat/completions", json={**request, "echo": False})
+        assert r.json()["choices"][0]["message"]["content"] is None
+
+
 @pytest.mark.anyio
 async def test_continue_final_message_leaves_the_assistant_message_open(smollm_tokenizer) -> None:
     engine = FakeEngine(smollm_tokenizer, reply=REPLY)

@@ -123,7 +123,8 @@ class JsonBlockReader(BlockReader):
                 self._consumed = cut
         if self._call is not None and self._call.open is not None:
             self._end_started(cut, out)
-        self.release(cut, out)
+        # a cut closing tag is the calls' markup; with no call in the block it is text like the rest
+        self.release(cut if self._block_calls else len(block), out)
 
     def _cut_name(self, cut: int) -> str | None:
         """The one tool a block cut before any call was named can call: the only tool, or the one a cut

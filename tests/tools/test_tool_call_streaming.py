@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from chatserve.server import ServerSettings, create_app
@@ -297,6 +297,8 @@ _NOISE = st.lists(st.sampled_from(
 
 @_SETTINGS
 @given(_NOISE, st.lists(st.integers(1, 7), min_size=1, max_size=5), st.booleans())
+@example("<tool_call><", [1], False)  # a block cut inside what could be its closing tag, no call in it
+@example("<tool_call></", [13], True)
 def test_any_text_parses_without_losing_text_and_independently_of_chunking(text, cuts, truncated) -> None:
     steps = feed(text, XLAM, cuts, truncated)
     events = [e for s in steps for e in s]

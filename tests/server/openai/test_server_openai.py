@@ -391,7 +391,9 @@ def test_non_streaming_disconnect_aborts(small_server):
 
 def test_full_queue_sheds_load_with_503_and_retry_after(small_server):
     srv = small_server
-    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 200, "temperature": 0,
+    # (long enough that neither stream can finish before the third request arrives, on any tier: a
+    # capped AVX2 run decoded 200 tokens before it did; both are cancelled below)
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 1500, "temperature": 0,
             "stream": True, "ignore_eos": True}
     streams = [_stream(srv.url, body, f"q-{i}") for i in range(2)]
     wait_until(lambda: srv.gauge("num_requests_waiting") >= 1, what="a waiting request")

@@ -43,6 +43,8 @@ class ServerSettings:
     max_tools: int = field(default=1024, metadata={
         "help": "most tools in one request (an agent with a few MCP servers sends hundreds); more is a 400"})
     max_stop_token_ids: int = field(default=256, metadata={"help": "most stop_token_ids in one request; more is a 400"})
+    max_bad_words: int = field(default=256, metadata={
+        "help": "most bad_words in one request (each is tokenised twice and checked every step); more is a 400"})
     grammar_compile_timeout_s: float = field(default=10.0, metadata={
         "help": "seconds a request's grammar (response_format, tools, structured_outputs, guided_*) may take to "
                 "compile before the request is refused with a 400 naming the field (compiles run on a small pool "
@@ -175,6 +177,6 @@ class ServerSettings:
     def _check_request_limits(self) -> None:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
-        for name in ("max_tools", "max_stop_token_ids"):
+        for name in ("max_tools", "max_stop_token_ids", "max_bad_words"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

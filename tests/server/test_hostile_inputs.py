@@ -422,6 +422,7 @@ async def test_a_flood_of_invalid_list_items_is_one_error(engine) -> None:
         valid = await client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": list(range(300))})
         tools = await client.post("/v1/chat/completions", json={**CHAT, "tools": [tool(None, f"t{i}") for i in range(1025)]})
         metadata = await client.post("/v1/responses", json={"input": "x", "metadata": {str(i): "x" * 600 for i in range(10_000)}})
+        words = await client.post("/v1/completions", json={"prompt": "x", "bad_words": [f"w{i}" for i in range(100_000)]})
     for resp in (bad, choice):  # the first bad item ended the list's validation (one error per union member)
         assert extra_errors(assert_error(resp, 400)["message"]) <= 2, resp.text
     assert_error(many, 400, param="messages", contains="at most 1024 messages")  # counted before any is read
@@ -429,6 +430,7 @@ async def test_a_flood_of_invalid_list_items_is_one_error(engine) -> None:
     assert_error(valid, 400, param="stop_token_ids", contains="at most 256 stop_token_ids")
     assert_error(tools, 400, param="tools", contains="at most 1024 tools")
     assert_error(metadata, 400, param="metadata", contains="at most 16 keys")
+    assert_error(words, 400, param="bad_words", contains="at most 256 bad_words")  # refused before any is tokenised
     assert engine.requests == []
 
 
@@ -446,15 +448,19 @@ async def test_a_flood_of_unknown_keys_is_one_error(engine) -> None:
 
 
 async def test_the_list_limits_are_flags(engine) -> None:
-    async with app_client(engine, max_tools=2, max_stop_token_ids=1) as client:
+    async with app_client(engine, max_tools=2, max_stop_token_ids=1, max_bad_words=2) as client:
         tools = await client.post("/v1/chat/completions", json={**CHAT, "tools": [tool(None, f"t{i}") for i in range(3)]})
         ids = await client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": [1, 2]})
+        words = await client.post("/v1/chat/completions", json={**CHAT, "bad_words": ["a", "b", "c"]})
+        long_word = await client.post("/v1/chat/completions", json={**CHAT, "bad_words": ["x" * 257]})
         msg = await client.post("/v1/messages", json={**MSG, "tools": [
             {"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(3)]})
         ok = await client.post("/v1/chat/completions", json={**CHAT, "tools": [tool(None, "a"), tool(None, "b")],
                                                              "stop_token_ids": [7]})
     assert_error(tools, 400, param="tools", contains="at most 2 tools")
     assert_error(ids, 400, param="stop_token_ids", contains="at most 1 stop_token_ids")
+    assert_error(words, 400, param="bad_words", contains="at most 2 bad_words")
+    assert_error(long_word, 400, param="bad_words.0", contains="at most 256 characters")
     assert_anthropic_error(msg, 400, "tools")
     assert ok.status_code == 200, ok.text
     assert engine.requests[-1].params.stop_token_ids == [7] and engine.requests[-1].params.is_stop_token(7)

@@ -30,6 +30,7 @@ from chatserve.server.settings import ServerSettings
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MAX_INT32 = 2**31 - 1
+MAX_BAD_WORD_CHARS = 256  # a bad word longer than this is a 400 (as a stop sequence past max_stop_length)
 """The largest count (max_tokens, n, min_tokens, token ids) any request may send: a number past it is a
 400 of its own, said without echoing the value (a 4,300-digit one cannot even be printed)."""
 
@@ -444,7 +445,8 @@ class SamplingFields(StrictModel):
     priority: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] = 0
     logit_bias: dict[str, Any] | None = None  # (values checked as a whole below: one error, not one per key)
     allowed_token_ids: Annotated[list[Count], Field(min_length=1, fail_fast=True)] | None = None
-    bad_words: Annotated[list[Annotated[str, Field(min_length=1)]], Field(fail_fast=True)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
+                         Field(fail_fast=True)] | None = None
     # prefix cache (docs/prefix-cache.md): vLLM's salt (share cached KV only with the same salt), and
     # OpenAI's prompt_cache_key, which leases this prompt's prefix for prompt_cache_retention
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -465,6 +467,11 @@ class SamplingFields(StrictModel):
     @classmethod
     def _stop_token_ids_bounded(cls, value: Any, info: ValidationInfo) -> Any:
         return check_length(value, info, "max_stop_token_ids", "stop_token_ids")
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bad_words_bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_length(value, info, "max_bad_words", "bad_words")
 
     @field_validator("logit_bias")
     @classmethod

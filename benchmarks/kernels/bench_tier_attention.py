@@ -73,9 +73,9 @@ def _case(ext, seqs: list[tuple[int, int]], block: int, repeat: int) -> tuple[fl
 
 
 def main() -> None:
-    tiered = [t.name for t in supported_tiers(cap=EngineArgs.from_env().max_cpu_tier) if t.tiered]
+    tiered = [t.name for t in supported_tiers(cap=EngineArgs.from_env().max_cpu_tier)]
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tier", default=tiered[0] if tiered else "avx2", choices=[n for n, t in TIERS.items() if t.tiered])
+    parser.add_argument("--tier", default=tiered[0] if tiered else "avx2", choices=list(TIERS))
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)

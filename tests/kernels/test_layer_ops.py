@@ -51,7 +51,7 @@ def test_a_matmul_that_failed_its_self_check_is_a_named_fallback(monkeypatch):
     import chatserve.layers.ops as ops_module
 
     kernels = require_kernels(KERNEL_TIERS[0])
-    broken = dataclasses.replace(kernels, gemm=None, gemv=None, amx=None)
+    broken = dataclasses.replace(kernels, gemm=None, amx=None)
     monkeypatch.setattr(ops_module, "load_cpu_kernels", lambda **_: broken)
     ops = _ops()
     assert not ops.batch_invariant

@@ -1,9 +1,9 @@
 """Typed configuration objects: what the model looks like and how the engine runs it.
 
 The environment is read here and in the CLI only: `EngineArgs.from_env` turns the process-wide
-switches ($CHATSERVE_MAX_CPU_TIER, $CHATSERVE_LINEAR, $TORCH_EXTENSIONS_DIR, $CHATSERVE_CACHE_DIR,
-$XDG_CACHE_HOME) into fields, and everything below the engine gets them as arguments, so two engines
-with different settings can live in one process and tests need no environment.
+switches ($CHATSERVE_MAX_CPU_TIER, $TORCH_EXTENSIONS_DIR, $CHATSERVE_CACHE_DIR, $XDG_CACHE_HOME) into
+fields, and everything below the engine gets them as arguments, so two engines with different
+settings can live in one process and tests need no environment.
 """
 
 from __future__ import annotations
@@ -213,10 +213,6 @@ class EngineArgs:
                 "is an error (a fleet of mixed hosts capped at one tier answers bit for bit the same) (default: no cap)"})
     amx: bool = field(default=True, metadata={
         "help": "within the CPU kernels, Intel AMX tiles where the CPU has them (off: the AVX512-BF16 path)"})
-    linear: Literal["auto", "legacy"] = field(default="auto", metadata={
-        "help": "the bf16 matmul on a CPU kernel tier: auto (AMX tiles, else the batch-invariant packed kernel) "
-                "or legacy (the older AVX512-BF16 dot-product kernel up to 128 rows, oneDNN above; not "
-                "batch-invariant, kept to compare the two)"})
     kernel_build_dir: str | None = field(default=None, metadata={
         "help": "folder the C++ CPU kernels are compiled into and loaded from (default: $TORCH_EXTENSIONS_DIR, "
                 "else ~/.cache/torch_extensions/py<version>_cpu)"})
@@ -316,8 +312,6 @@ class EngineArgs:
             raise ValueError(f"cpu_kernel_tier={self.cpu_kernel_tier!r} asks for compiled kernels, but cpu_kernels is off")
         if self.max_cpu_tier is not None and self.max_cpu_tier not in TIERS:
             raise ValueError(f"max_cpu_tier must be one of {', '.join(TIERS)} (or unset: no cap); got {self.max_cpu_tier!r}")
-        if self.linear not in LINEAR_CHOICES:
-            raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}; got {self.linear!r}")
         for name in ("kernel_build_dir", "cache_dir"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -400,21 +394,11 @@ class EngineArgs:
         return cls(**filled)
 
 
-LINEAR_CHOICES: tuple[str, ...] = ("auto", "legacy")  # EngineArgs.linear (layers/linear.py has the same)
-
-
 def _max_cpu_tier_from(env: Mapping[str, str]) -> str | None:
     name = env.get("CHATSERVE_MAX_CPU_TIER", "").strip()
     if name and name not in TIERS:
         raise ValueError(f"CHATSERVE_MAX_CPU_TIER must be one of {', '.join(TIERS)} (or unset: no cap); got {name!r}")
     return name or None
-
-
-def _linear_from(env: Mapping[str, str]) -> str | None:
-    choice = env.get("CHATSERVE_LINEAR", "").strip().lower()
-    if choice and choice not in LINEAR_CHOICES:
-        raise ValueError(f"CHATSERVE_LINEAR must be unset, auto or legacy; got {choice!r}")
-    return choice or None
 
 
 def _kernel_build_dir_from(env: Mapping[str, str]) -> str | None:
@@ -433,7 +417,6 @@ def _cache_dir_from(env: Mapping[str, str]) -> str | None:
 # documented in docs/quantization-and-kernels.md, read once at the edge instead of deep inside.
 ENVIRONMENT_FIELDS = {
     "max_cpu_tier": _max_cpu_tier_from,
-    "linear": _linear_from,
     "kernel_build_dir": _kernel_build_dir_from,
     "cache_dir": _cache_dir_from,
 }

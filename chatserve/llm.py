@@ -27,7 +27,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are `EngineArgs` fields (dtype, max_num_seqs, ...); their defaults are EngineArgs' own,
         so there is no second copy here to drift. The fields the process environment sets
-        (`EngineArgs.from_env`: $CHATSERVE_MAX_CPU_TIER, $CHATSERVE_LINEAR, $CHATSERVE_CACHE_DIR, ...)
+        (`EngineArgs.from_env`: $CHATSERVE_MAX_CPU_TIER, $CHATSERVE_CACHE_DIR, ...)
         come from it where `kwargs` leave them out."""
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:

@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
-"""The bf16 matmul on this CPU: the batch-invariant kernel (csrc/bf16_gemm.cpp) next to the measured
-vdpbf16ps peak, oneDNN (torch F.linear on bf16) and the older kernel + oneDNN split, in one run.
+"""The bf16 matmul on this CPU: the batch-invariant kernel of the best tier (csrc/tier_gemm.cpp) next to
+the measured peak of its dot-product step (vdpbf16ps on AVX512-BF16, fma elsewhere) and oneDNN
+(torch F.linear on bf16), in one run.
 
     python benchmarks/kernels/bench_matmul.py                  # all threads; hot-cache GFLOP/s per shape and M, then the model sweep
     python benchmarks/kernels/bench_matmul.py --threads 1      # one core (steadier on a busy machine)
     python benchmarks/kernels/bench_matmul.py --rows 1,8,32 --shapes 576x576 --no-sweep
 
 Method:
-  * peak      register-only vdpbf16ps loop (24 independent accumulators, no memory operands) on every
-              thread at once: the best of --peak-runs short runs, before and after the table, so
-              moments when another process holds a core do not count. 64 FLOP per instruction.
+  * peak      register-only loop of the tier's dot-product instruction (independent accumulators, no
+              memory operands) on every thread at once: the best of --peak-runs short runs, before and
+              after the table, so moments when another process holds a core do not count.
   * per shape the same x [M, K] and weight every call (hot in cache); best of the calls made in
-              --seconds; GFLOP/s = 2 M N K / time. `legacy` is the older path (CHATSERVE_LINEAR=legacy):
-              the dot-product kernel up to 128 rows, oneDNN in power-of-two pieces above.
+              --seconds; GFLOP/s = 2 M N K / time.
   * sweep     the default model's weights, 30 layers of qkv/o/gate_up/down plus the tied lm_head (270 MB,
               in one huge-page arena each way: cold in cache, as in decode), one call per weight at M
               rows; best of --sweep-repeats; ms per pass.
@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from chatserve.kernels.cpu import load_cpu_kernels
-from chatserve.layers.linear import kernel_linear
 
 MODEL_SHAPES = [(960, 576), (576, 576), (192, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate|up, down of one layer
@@ -55,7 +54,7 @@ def measure_peak(gemm, runs: int) -> float:
 
 def per_shape(kernels, shapes, rows, seconds: float) -> list[list[str]]:
     gemm = kernels.gemm
-    table = [["shape N x K", "M", "ours GFLOP/s", "oneDNN GFLOP/s", "legacy GFLOP/s", "ours / oneDNN"]]
+    table = [["shape N x K", "M", "ours GFLOP/s", "oneDNN GFLOP/s", "ours / oneDNN"]]
     for n, k in shapes:
         gen = torch.Generator().manual_seed(n + k)
         w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
@@ -65,8 +64,7 @@ def per_shape(kernels, shapes, rows, seconds: float) -> list[list[str]]:
             flops = 2 * m * n * k
             ours = flops / best_time(lambda: gemm.linear(x, packed, None, n), seconds) / 1e9  # noqa: B023 (called here)
             onednn = flops / best_time(lambda: F.linear(x, w), seconds) / 1e9  # noqa: B023
-            legacy = flops / best_time(lambda: kernel_linear(x, w, None, kernels.gemv), seconds) / 1e9  # noqa: B023
-            table.append([f"{n} x {k}", str(m), f"{ours:.0f}", f"{onednn:.0f}", f"{legacy:.0f}", f"{ours / onednn:.2f}"])
+            table.append([f"{n} x {k}", str(m), f"{ours:.0f}", f"{onednn:.0f}", f"{ours / onednn:.2f}"])
             print(" | ".join(table[-1]), flush=True)
     return table
 
@@ -89,7 +87,7 @@ def sweep(kernels, rows, repeats: int) -> list[list[str]]:
         plain.append(w)
         p0, q0 = p0 + n * k, q0 + size
     flops_per_row = 2 * plain_numel
-    table = [["M", "ours ms", "legacy ms", "oneDNN ms", "ours GFLOP/s", "legacy / ours"]]
+    table = [["M", "ours ms", "oneDNN ms", "ours GFLOP/s", "oneDNN / ours"]]
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}}
 
@@ -97,17 +95,13 @@ def sweep(kernels, rows, repeats: int) -> list[list[str]]:
             for (n, k), p in zip(shapes, packed):
                 gemm.linear(xs[k], p, None, n)
 
-        def legacy(xs: dict[int, torch.Tensor] = xs) -> None:
-            for (_, k), w in zip(shapes, plain):
-                kernel_linear(xs[k], w, None, kernels.gemv)
-
         def onednn(xs: dict[int, torch.Tensor] = xs) -> None:
             for (_, k), w in zip(shapes, plain):
                 F.linear(xs[k], w)
 
-        t = {name: best_time(fn, 0.0, at_least=repeats) for name, fn in (("ours", ours), ("legacy", legacy), ("onednn", onednn))}
-        table.append([str(m), f"{t['ours'] * 1e3:.2f}", f"{t['legacy'] * 1e3:.2f}", f"{t['onednn'] * 1e3:.2f}",
-                      f"{flops_per_row * m / t['ours'] / 1e9:.0f}", f"{t['legacy'] / t['ours']:.2f}"])
+        t = {name: best_time(fn, 0.0, at_least=repeats) for name, fn in (("ours", ours), ("onednn", onednn))}
+        table.append([str(m), f"{t['ours'] * 1e3:.2f}", f"{t['onednn'] * 1e3:.2f}",
+                      f"{flops_per_row * m / t['ours'] / 1e9:.0f}", f"{t['onednn'] / t['ours']:.2f}"])
         print(" | ".join(table[-1]), flush=True)
     return table
 
@@ -133,16 +127,16 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels(amx=False)
     if kernels is None or kernels.gemm is None:
-        print("no AVX512-BF16 kernels on this machine")
+        print("no kernel tier on this machine (needs AVX2 + FMA)")
         return 1
     rows = [int(v) for v in args.rows.split(",")]
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     print(f"threads {args.threads}, load average at start {os.getloadavg()}")
     peak = measure_peak(kernels.gemm, args.peak_runs)
-    print(f"measured vdpbf16ps peak: {peak:.0f} GFLOP/s on {args.threads} threads")
+    print(f"{kernels.tier}: measured dot-product peak {peak:.0f} GFLOP/s on {args.threads} threads")
     table = per_shape(kernels, shapes, rows, args.seconds)
     peak = max(peak, measure_peak(kernels.gemm, args.peak_runs))  # again at the end: the best moment counts
-    print(f"measured vdpbf16ps peak (best of start and end): {peak:.0f} GFLOP/s")
+    print(f"measured dot-product peak (best of start and end): {peak:.0f} GFLOP/s")
     table[0].append("ours / peak")
     for r in table[1:]:
         r.append(f"{float(r[2]) / peak:.0%}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -97,19 +96,6 @@ def _case(ext, seqs: list[tuple[int, int]], block: int, kv_dtype: str, repeat: i
     return kernel, _time(run_sdpa, repeat)
 
 
-def _attention_ext(tier: str):
-    """The tier's store_kv_paged_bf16 / paged_attention_bf16: its tiered attention extension, or
-    (a tier with its own sources) the functions its CpuKernels carry."""
-    if TIERS[tier].tiered:
-        return build_tier_family("attention", TIERS[tier])
-    from chatserve.kernels.cpu import load_cpu_kernels
-
-    kernels = load_cpu_kernels(tier=tier)
-    if kernels is None:
-        return None
-    return SimpleNamespace(store_kv_paged_bf16=kernels.store_kv_paged, paged_attention_bf16=kernels.paged_attention)
-
-
 def main() -> None:
     supported = [t.name for t in supported_tiers(cap=EngineArgs.from_env().max_cpu_tier)]
     parser = argparse.ArgumentParser()
@@ -122,7 +108,7 @@ def main() -> None:
     parser.add_argument("--cases", default="", help="comma-separated case-name prefixes to run (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ext = _attention_ext(args.tier)
+    ext = build_tier_family("attention", TIERS[args.tier])
     if ext is None:
         raise SystemExit(f"the {args.tier} attention kernel could not be built")
     bs = args.block_size

@@ -1,15 +1,16 @@
 """Speed of the tiered batch-invariant bf16 matmul (csrc/tier_gemm.cpp, issue #30) against torch.
 
 For each tier this CPU runs (or --tier), over SmolLM2-135M's projection shapes: milliseconds,
-GFLOP/s, the share of the register-only fma peak (`fma_peak_gflops`, all threads), and for decode
-the weights' bytes streamed per second; next to torch's F.linear in fp32 (weights kept fp32: twice
-the bytes) and in bf16. "decode step" runs M rows through all 30 layers' weights (212 MB, past the
-L3 cache) in the huge-page arena the engine uses, so M = 1 measures streaming from memory.
+GFLOP/s, the share of the register-only peak of the tier's step (`dot_peak_gflops`: fma, vdpbf16ps
+on AVX512-BF16; all threads), and for decode the weights' bytes streamed per second; next to torch's
+F.linear in fp32 (weights kept fp32: twice the bytes) and in bf16. "decode step" runs M rows through
+all 30 layers' weights (212 MB, past the L3 cache) in the huge-page arena the engine uses, so M = 1
+measures streaming from memory.
 
-    python benchmarks/kernels/bench_tier_gemm.py [--threads 2] [--tier avx2] [--define GEMM_PF_K=16 ...]
+    python benchmarks/kernels/bench_tier_gemm.py [--threads 2] [--tier avx2] [--define GEMM_PF_STEPS=16 ...]
 
 --define rebuilds the kernel with its tuning macros changed (GEMM_ROW_BLOCK_BYTES, GEMM_COL_BLOCK_BYTES,
-GEMM_SPLIT_ROWS_MIN, GEMM_SPLIT_COLS_MIN, GEMM_PF_K), to compare settings.
+GEMM_SPLIT_ROWS_MIN, GEMM_SPLIT_COLS_MIN, GEMM_PF_STEPS), to compare settings.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def bench_tier(tier_name: str, defines: list[str], rows: list[int]) -> None:
     if gemm is None:
         print(f"{tier_name}: tier_gemm.cpp did not build")
         return
-    peak = max(gemm.fma_peak_gflops(20_000_000) for _ in range(3))
+    peak = max(gemm.dot_peak_gflops(20_000_000) for _ in range(3))
     print(f"\n## {tier_name} ({torch.get_num_threads()} threads){' ' + ' '.join(defines) if defines else ''}: "
-          f"fma peak {peak:.1f} GFLOP/s")
+          f"dot-product peak {peak:.1f} GFLOP/s")
     print(f"{'shape':>9} {'M':>5} | {'tier ms':>8} {'GFLOP/s':>8} {'% peak':>6} {'GB/s W':>7} | "
           f"{'fp32 ms':>8} {'bf16 ms':>8} | {'vs fp32':>7}")
     gen = torch.Generator().manual_seed(0)
@@ -116,12 +117,12 @@ def decode_step(gemm, fused, rows: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--tier", choices=[t.name for t in TIERS.values() if t.tiered], action="append")
+    parser.add_argument("--tier", choices=list(TIERS), action="append")
     parser.add_argument("--rows", type=int, nargs="*", default=ROWS)
     parser.add_argument("--define", action="append", default=[], help="NAME=VALUE tuning macro (rebuilds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    names = args.tier or [t.name for t in supported_tiers(cap=EngineArgs.from_env().max_cpu_tier) if t.tiered]
+    names = args.tier or [t.name for t in supported_tiers(cap=EngineArgs.from_env().max_cpu_tier)]
     for name in names:
         bench_tier(name, args.define, args.rows)
 

@@ -1,8 +1,8 @@
 """One way to compile a C++ kernel extension: torch's cpp_extension, cached per source hash and tier.
 
 Why one helper: every extension (the AVX512-BF16 kernels, the quantized matmul, each tiered family)
-needs the same things: a build folder named by a hash of the kernel sources, headers and flags (torch
-rebuilds on source changes but not on header or flag changes), compiled from copies of the sources
+needs the same things: a build folder named by a hash of its sources, the local files they include
+(transitively) and the flags (torch rebuilds on source changes but not on header or flag changes), compiled from copies of the sources
 inside that folder (so any checkout with the same sources reuses the build: `stage_sources`), an
 flock so one process builds while the others wait (and a lock left by a killed builder is not waited
 on forever), and a build that cannot happen (no compiler, no ninja) reported once and answered with
@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -71,9 +72,31 @@ def sources_hash(paths: Sequence[Path], flags: Sequence[str] = ()) -> str:
     return digest.hexdigest()[:10]
 
 
-def kernel_source_files() -> list[Path]:
-    """Every file of csrc/ (sources and headers; a .cpp may include another .cpp), in name order."""
-    return sorted(p for p in CSRC.iterdir() if p.is_file() and p.suffix in (".cpp", ".h", ".hpp"))
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def build_files(sources: Sequence[Path], headers: Sequence[Path] = ()) -> list[Path]:
+    """`sources`, `headers` and every local file they `#include "..."`, transitively (a .cpp may
+    include another .cpp), in name order: what an extension is compiled from, so what its build
+    folder's name hashes.
+
+    Why the closure and not every file of csrc/: an edit then rebuilds only the extensions that
+    include the edited file (each tier's build takes minutes on 2 cores). An include is followed
+    whatever #if surrounds it, so a file included under one tier's macro counts for every tier (a
+    rebuild too many, never one too few); <...> includes are the system's and torch's, whose
+    version is in the name already."""
+    found: dict[Path, None] = {}
+    todo = [Path(p) for p in [*sources, *headers]]
+    while todo:
+        path = todo.pop()
+        if path in found:
+            continue
+        found[path] = None
+        for name in _LOCAL_INCLUDE.findall(path.read_text(errors="replace")):
+            included = path.parent / name
+            if included.is_file():
+                todo.append(included)
+    return sorted(found, key=lambda p: (p.name, str(p)))
 
 
 def stage_sources(build_dir: Path, files: Sequence[Path]) -> Path:
@@ -142,7 +165,7 @@ def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...
     except ImportError as exc:
         logger.warning("C++ kernels %s not built (%s); using torch ops", stem, exc)
         return None
-    files = list(dict.fromkeys([*kernel_source_files(), *sources, *headers]))
+    files = build_files(sources, headers)
     name = extension_name(stem, files, sources, cflags, torch.__version__)
     build_dir = root / name
     try:
@@ -168,7 +191,7 @@ def _build_cached(stem: str, sources: tuple[Path, ...], headers: tuple[Path, ...
 
 def build_extension(stem: str, sources: Sequence[Path], *, cflags: Sequence[str], headers: Sequence[Path] = (),
                     build_dir: str | os.PathLike[str] | None = None) -> ModuleType | None:
-    """The compiled extension `stem` (built once per hash of sources, headers and flags, under
+    """The compiled extension `stem` (built once per hash of its files (`build_files`) and flags, under
     `build_root(build_dir)`, then imported from there), or None with one log line when it cannot be
     built. Cached per process and per build folder: two engines with different folders each get their own."""
     return _build_cached(stem, tuple(sources), tuple(headers), tuple(cflags), build_root(build_dir))

@@ -1,12 +1,11 @@
 """The CPU kernels as the layers see them: one `CpuKernels` per tier, loaded and proven once.
 
-`load_cpu_kernels(tier=...)` builds the kernels of a tier (kernels/tiers.py): the hand-written
-AVX512-BF16 ones (cpu_gemv.py) or the tiered sources over csrc/vec.h (tiered.py), checks each
-against torch on this machine (the `verify_*` functions below, shared by every tier), and returns
-them, or None (no AVX2, no compiler, a failed check: callers then use torch ops). The result is
-cached per (tier, amx, build folder): a second engine in the process neither rebuilds nor re-checks.
-The tier cap and the build folder are arguments (`EngineArgs.max_cpu_tier`, `kernel_build_dir`),
-never read from the environment here.
+`load_cpu_kernels(tier=...)` builds the kernels of a tier (kernels/tiers.py) from the one set of
+sources over csrc/vec.h (tiered.py), checks each against torch on this machine (the `verify_*`
+functions below, shared by every tier), and returns them, or None (no AVX2, no compiler, a failed
+check: callers then use torch ops). The result is cached per (tier, amx, build folder): a second
+engine in the process neither rebuilds nor re-checks. The tier cap and the build folder are
+arguments (`EngineArgs.max_cpu_tier`, `kernel_build_dir`), never read from the environment here.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ from chatserve.kernels.build import build_root
 from chatserve.kernels.tiers import cpu_flags, select_tier
 
 logger = logging.getLogger(__name__)
-
-MAX_GEMV_ROWS = 128  # the legacy kernel takes any row count; above this oneDNN is as fast (see layers/linear.py)
 
 
 def cpu_has_flags(*flags: str) -> bool:
@@ -51,15 +48,14 @@ class AmxMatmul:
 
 @dataclass(frozen=True)
 class PackedGemm:
-    """The batch-invariant bf16 matmul over weights packed once (csrc/bf16_gemm.cpp on AVX512-BF16,
-    csrc/tier_gemm.cpp on the other tiers): every output element is one fixed accumulation chain
+    """The batch-invariant bf16 matmul over weights packed once (csrc/tier_gemm.cpp): every output element is one fixed accumulation chain
     over K, so a row's result has the same bits whatever the row count of the call and the row's
     position in it. The packed layout is the tier's own: `packed_shape` says its bf16 shape."""
 
     pack: Callable[..., torch.Tensor]  # bf16 [N, K] (, out=) -> packed bf16 of packed_shape(N, K)
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]  # x [M, K], packed, bias, N
     rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # packed, int64 ids [T], N, K -> rows [T, K]
-    peak_gflops: Callable[[int], float]  # iterations -> register-only dot-product GFLOP/s on all threads
+    peak_gflops: Callable[[int], float]  # iterations -> register-only GFLOP/s of the tier's dot-product step, all threads
     packed_shape: Callable[[int, int], tuple[int, ...]]  # (N, K) -> the packed weight's shape in bf16 elements
 
 
@@ -82,8 +78,6 @@ class CpuKernels:
     release_free_memory: Callable[[], None]  # glibc malloc_trim: freed heap pages back to the OS
     gemm: PackedGemm | None = None  # the batch-invariant matmul (None only where it failed its check)
     amx: AmxMatmul | None = None  # where the CPU has AMX tiles (and the OS lets us use them)
-    # x[M, K] . w[N, K]^T (+ bias) over plain weights: the older AVX512-BF16 kernel (CHATSERVE_LINEAR=legacy)
-    gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     # Gemma's ops (every tier builds them; None only for a hand-made CpuKernels): bf16 [M, 2I] gate|up ->
     # gelu_tanh(gate) * up; RMSNorm of bf16 rows with an fp32 weight (1 + w); fp32 x = tanh(x / cap) * cap in place
     gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -100,13 +94,13 @@ def load_cpu_kernels(amx: bool = True, tier: str = "auto", *, cap: str | None = 
     verified on this machine, or None where the CPU runs no tier (callers then use torch ops) or the
     build or a check failed. `build_dir`: where the extensions are built (None: torch's default folder).
 
-    amx=False leaves the AMX matmul out even where the CPU has tiles (the AVX512-BF16 path).
+    amx=False leaves the AMX matmul out even where the CPU has tiles (the AVX512-BF16 matmul then runs).
     Forcing a tier the CPU lacks, or one above `cap`, raises ValueError naming the field.
     """
     chosen = select_tier(tier, cap=cap)
     if chosen is None:
         return None
-    return _load(chosen.name, amx and not chosen.tiered, build_root(build_dir))
+    return _load(chosen.name, amx, build_root(build_dir))
 
 
 # (tier name, build folder) -> why its kernels are unusable there (a failed build or self-check), for kernel_problem()
@@ -135,21 +129,15 @@ def _load(tier: str, amx: bool, root: Path) -> CpuKernels | None:
     from chatserve.kernels.tiers import TIERS
 
     try:
-        if TIERS[tier].tiered:
-            from chatserve.kernels.tiered import build_tiered_cpu_kernels
+        from chatserve.kernels.tiered import build_cpu_kernels
 
-            kernels = build_tiered_cpu_kernels(TIERS[tier], root)
-        else:
-            from chatserve.kernels.cpu_gemv import build_avx512_bf16_kernels
-
-            kernels = build_avx512_bf16_kernels(amx, root)
+        kernels = build_cpu_kernels(TIERS[tier], amx, root)
         if kernels is None:
             _PROBLEMS[tier, root] = f"the {tier} kernels could not be built (no compiler? see the log)"
             return None
         verify_rms_norm(kernels.rms_norm)
         verify_paged_attention(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
-        if TIERS[tier].tiered:  # csrc/tier_attention.cpp: bf16 and int8 caches (the KV contract, issue 56)
-            verify_paged_attention_int8(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
+        verify_paged_attention_int8(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
         verify_fused(kernels.silu_mul, kernels.rope_inplace, kernels.add_rms_norm)
         verify_gemma_ops(kernels)
         return replace(kernels, build_dir=root)

@@ -1,12 +1,12 @@
 """Quantized matmul over weights kept in GGUF block formats (issue #21): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
-and our weight-only int8 per output channel, per kernel tier (issue #30): the AVX512-BF16 tier runs
-csrc/quant_gemm.cpp (hand-written for zmm and vpdpbusd), the other tiers csrc/tier_quant.cpp, one
-source over csrc/vec.h compiled per tier (AVX2 with vpmaddubsw, AVX2 + AVX-VNNI, AVX512 + VNNI).
+and our weight-only int8 per output channel, per kernel tier (issue #30): csrc/tier_quant.cpp, one
+source over csrc/vec.h compiled per tier (AVX2 with vpmaddubsw, AVX2 + AVX-VNNI, AVX512 + VNNI, the
+last also serving the AVX512-BF16 tier).
 
 How it computes: each row of x is quantised to int8 in blocks of 32 (one fp32 scale each, as
 llama.cpp's Q8 activations) and multiplied with the weights' integer quants in exact integers; the
-weights' scales and offsets are applied per sub-block in fp32 (the headers of quant_gemm.cpp and
-tier_quant.cpp have the arithmetic, the same in both). Why not de-quantise to bf16 in registers: that
+weights' scales and offsets are applied per sub-block in fp32 (tier_quant.cpp's header has the
+arithmetic). Why not de-quantise to bf16 in registers: that
 costs ~9 instructions per 32 weights and ran compute-bound below the memory's rate; this one streams
 the weights (BENCHMARKS.md, issue 21).
 
@@ -16,8 +16,8 @@ bit); the weights it multiplies are exactly gguf's de-quantised values (`rows` /
 them, rounded to bf16, bit for bit); the only error against the fp32 product is the activations' int8
 rounding (tests/kernels/test_quant_gemm.py states the tolerance and runs every tier this CPU supports).
 
-Each tier is its own extension (kernels/build.py: its own name and source/flag hash, the shared
-build folder and lock), so editing one kernel rebuilds only it.
+Each tier is its own extension (kernels/tiers.py build_tier_module: its own name and source/flag
+hash, the shared build folder and lock).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from chatserve.kernels.build import CSRC, build_extension
-from chatserve.kernels.tiers import TIERS, build_tier_family, cpu_flags, select_tier
+from chatserve.kernels.tiers import TIERS, build_tier_family, select_tier
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +40,6 @@ SUPPORTED_QTYPES: frozenset[int] = frozenset({QTYPE_Q4_0, QTYPE_Q4_1, QTYPE_Q8_0
 # values per block along K: K must be a multiple of it
 BLOCK_VALUES: dict[int, int] = {QTYPE_Q4_0: 32, QTYPE_Q4_1: 32, QTYPE_Q8_0: 32, QTYPE_Q4_K: 256, QTYPE_Q6_K: 256,
                                 QTYPE_INT8_CHANNEL: 32}
-
-# The AVX512-BF16 tier's own kernel and flags (as before the tiers: cpu_gemv's flags less AMX, plus
-# VNNI; build.py adds -O3 -fopenmp -ffp-contract=off, which the exact de-quantisation relies on).
-_AVX512_BF16_SOURCE = CSRC / "quant_gemm.cpp"
-_AVX512_BF16_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni")
 
 
 @dataclass(frozen=True)
@@ -79,15 +73,7 @@ def load_quant_kernels(tier: str = "auto", build_dir: str | Path | None = None) 
 
 @functools.cache
 def _load_tier(name: str, build_dir: Path | None) -> QuantKernels | None:
-    tier = TIERS[name]
-    if tier.tiered:
-        ext = build_tier_family("quant", tier, build_dir)
-    elif "avx512_vnni" not in cpu_flags():  # the tier's flags imply it on every CPU made; quant_gemm needs it
-        logger.warning("quantized matmul kernels unavailable (no AVX512-VNNI); quantized weights are de-quantised at load")
-        return None
-    else:
-        ext = build_extension("chatserve_quant_kernels", [_AVX512_BF16_SOURCE], cflags=_AVX512_BF16_CFLAGS,
-                              build_dir=build_dir)
+    ext = build_tier_family("quant", TIERS[name], build_dir)
     if ext is None:  # build.py logged why
         return None
     kernels = QuantKernels(pack=ext.quant_pack, pack_int8=ext.quant_pack_int8, linear=ext.quant_linear,

@@ -1,12 +1,14 @@
 """CPU kernel tiers: which instruction sets a build targets, chosen once from the CPU's flags.
 
 A tier is a name, the /proc/cpuinfo flags it needs, and the compiler flags its sources are built
-with. The tiers, best first:
+with: every tier compiles the same kernel sources (csrc/tier_kernels.cpp and what it includes), its
+flags and one CHATSERVE_* macro choosing vec.h's section. The tiers, best first:
 
-- ``avx512_bf16``: AVX512-BF16 (+VNNI, and AMX tiles where present): the hand-tuned kernels of
-  cpu_gemv.py / cpu_quant.py (vdpbf16ps, AMX, vpdpbusd).
+- ``avx512_bf16``: the AVX512 tier plus AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4): the
+  same sources at 16 lanes with CHATSERVE_BF16, which adds vec.h's bf16 operations (vdpbf16ps in
+  the matmul's micro-kernel) and the AMX tile matmul (csrc/amx_gemm.cpp, used where AMX exists).
 - ``avx512_vnni``: AVX512F/BW/VL/DQ + AVX512-VNNI, no BF16 (Ice Lake, Zen 4 without BF16 enabled):
-  the tiered sources (csrc/tier_*.cpp over csrc/vec.h) at 16 lanes.
+  the kernel sources (csrc/tier_*.cpp over csrc/vec.h) at 16 lanes.
 - ``avx2_vnni``: AVX2 + FMA + F16C + AVX-VNNI (Alder Lake and later client cores, Zen 5 desktop):
   the tiered sources at 8 lanes with vpdpbusd.
 - ``avx2``: AVX2 + FMA + F16C (Haswell and later, Zen 1-3): the tiered sources at 8 lanes, int8 dot
@@ -36,25 +38,22 @@ from chatserve.kernels.build import CSRC, build_extension
 class KernelTier:
     name: str
     cpu_flags: tuple[str, ...]  # every one must be in /proc/cpuinfo's flags
-    cflags: tuple[str, ...]  # compiler flags of the tiered sources (empty: this tier has its own sources)
+    cflags: tuple[str, ...]  # compiler flags of the kernel sources for this tier
     lanes: int  # fp32 lanes of the tier's vector type
     description: str
-
-    @property
-    def tiered(self) -> bool:
-        """Built from the tiered sources over csrc/vec.h (not the hand-written AVX512-BF16 kernels)."""
-        return bool(self.cflags)
 
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c", "-DCHATSERVE_TIER_AVX2")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c", "-DCHATSERVE_TIER_AVX512")
+_AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c")
+# -mamx-*: only csrc/amx_gemm.cpp's functions use tile instructions; they run only where amx_available()
+_AVX512_BF16 = (*_AVX512, "-mavx512bf16", "-DCHATSERVE_BF16", "-mamx-tile", "-mamx-bf16")
 
 # Best first.
 TIERS: dict[str, KernelTier] = {t.name: t for t in (
-    KernelTier("avx512_bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), (), 16,
-               "AVX512-BF16 (vdpbf16ps, AMX where present)"),
-    KernelTier("avx512_vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"), _AVX512, 16,
-               "AVX512 + VNNI, 16 lanes"),
+    KernelTier("avx512_bf16", (*_AVX512_FLAGS, "avx512_bf16"), _AVX512_BF16, 16,
+               "AVX512 + VNNI + BF16, 16 lanes (vdpbf16ps, AMX where present)"),
+    KernelTier("avx512_vnni", _AVX512_FLAGS, _AVX512, 16, "AVX512 + VNNI, 16 lanes"),
     KernelTier("avx2_vnni", ("avx2", "fma", "f16c", "avx_vnni"), (*_AVX2, "-mavxvnni", "-DCHATSERVE_VNNI"), 8,
                "AVX2 + FMA + AVX-VNNI, 8 lanes"),
     KernelTier("avx2", ("avx2", "fma", "f16c"), _AVX2, 8, "AVX2 + FMA, 8 lanes (vpmaddubsw int8 dots)"),
@@ -134,22 +133,18 @@ def tier_source(family: str) -> Path:
 
 def build_tier_module(tier: KernelTier, build_dir: str | Path | None = None) -> ModuleType | None:
     """Every tiered family compiled for `tier` as one extension (csrc/tier_kernels.cpp: the family
-    sources in one translation unit, plus the decoder-layer runner), cached per source, header and
-    flag hash; None with one log line where it cannot be built. One extension, not one per family:
+    sources in one translation unit, plus the decoder-layer runner), cached per hash of the files it
+    includes and the flags; None with one log line where it cannot be built. One extension, not one per family:
     each extra translation unit re-parses torch's headers (~40 s on 2 cores). `build_dir`: the
     folder the builds live in (`EngineArgs.kernel_build_dir`; None: torch's default, kernels/build.py);
     build.py caches the module per folder, so a second call is a dictionary lookup."""
-    if not tier.tiered:
-        raise ValueError(f"tier {tier.name} has its own kernel sources (kernels/cpu_gemv.py, cpu_quant.py)")
     return build_extension(f"chatserve_tier_{tier.name}", [CSRC / "tier_kernels.cpp"], cflags=tier.cflags,
-                           headers=[CSRC / "vec.h", *(tier_source(f) for f in TIERED_FAMILIES)], build_dir=build_dir)
+                           build_dir=build_dir)
 
 
 def build_tier_family(family: str, tier: KernelTier, build_dir: str | Path | None = None) -> ModuleType | None:
     """The extension holding csrc/tier_<family>.cpp's functions for `tier` (build_tier_module's),
     or None where it cannot be built."""
-    if not tier.tiered:
-        raise ValueError(f"tier {tier.name} has its own kernel sources (kernels/cpu_gemv.py, cpu_quant.py)")
     if family not in TIERED_FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; one of {', '.join(TIERED_FAMILIES)}")
     return build_tier_module(tier, build_dir)

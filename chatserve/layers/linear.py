@@ -4,8 +4,8 @@ Each `Linear` gets its `LinearMethod` at construction (vLLM's quant-method patte
 says how the loaded weight is stored (`process`) and how x @ W.T runs (`apply`). Picked once by
 `select_linear_method` from what the CPU offers:
 
-- **The batch-invariant AVX512-BF16 matmul** (`PackedGemmLinearMethod`, the default on CPUs with
-  AVX512-BF16 and no AMX, e.g. AMD Zen 4/5): weights packed once into the kernel's layout, one
+- **The batch-invariant matmul of the CPU's kernel tier** (`PackedGemmLinearMethod`, the default
+  without AMX: AVX512-BF16 on e.g. AMD Zen 4/5, AVX512-VNNI, AVX2): weights packed once into the kernel's layout, one
   kernel for every row count, and each output element one fixed accumulation chain over K, so a
   row's result has the same bits alone, in a decode batch or as the last token of a 1,000-row
   prefill (issue #20: greedy output must not change with batch composition or the prefix cache).
@@ -18,10 +18,6 @@ says how the loaded weight is stored (`process`) and how x @ W.T runs (`apply`).
   plus its lm_head (cold caches, Intel Xeon dev host), ms per forward of M rows, AMX vs our
   AVX512-BF16 kernel vs oneDNN (`F.linear`): M=1 13.6 / 12.2 / 27.0, M=8 13.8 / 17.8 / 27.2,
   M=32 14.8 / 53.7 / 29.9, M=128 33.1 / 190 / 49.0, M=1000 218 / - / 216 (BENCHMARKS.md).
-- **The older AVX512-BF16 kernel** (`GemvLinearMethod`, only with `EngineArgs.linear="legacy"`,
-  $CHATSERVE_LINEAR=legacy, for comparison) over plain weights up to KERNEL_MAX_ROWS rows, oneDNN above: a row rounds differently
-  at every row count (not batch-invariant). Measured on the AMD EPYC dev host of earlier sessions:
-  M=8 23.4 vs 11.7 (oneDNN vs ours), M=32 38.2 vs 28.4, M=128 99.8 vs 89.0, M=1000 689 vs 726.
 - **oneDNN-prepacked weights** (`OneDNNPackedLinearMethod`) when the kernels cannot be built.
 - **plain `F.linear`** (`TorchLinearMethod`) for float32, GPUs and anything else.
 
@@ -31,9 +27,8 @@ With the kernels, all the weights sit in one arena advised for transparent huge 
 Why the pieces: oneDNN builds (and caches, up to 1,024 entries) one primitive per distinct matmul
 shape, a few hundred KiB each, and glibc then fragments around them. Under a serving workload
 every step has a different row count, so a server's RSS grew by hundreds of MiB over minutes.
-In the legacy path, rows above KERNEL_MAX_ROWS are therefore cut into power-of-two pieces (>= ONEDNN_MIN_ROWS)
-plus a remainder for our kernel: at most ~6 shapes per weight, whatever the traffic. The AMX kernel and the
-batch-invariant one have no per-shape state at all.
+The oneDNN fallback therefore cuts rows into power-of-two pieces: at most ~log2(M) shapes per weight,
+whatever the traffic. The AMX kernel and the batch-invariant one have no per-shape state at all.
 """
 
 from __future__ import annotations
@@ -48,16 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.config import LINEAR_CHOICES
-from chatserve.kernels.cpu import MAX_GEMV_ROWS, CpuKernels, PackedGemm
+from chatserve.kernels.cpu import CpuKernels, PackedGemm
 
 logger = logging.getLogger(__name__)
 
-Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # What a method's `process` left on a layer besides its parameters: tensors and JSON values by key.
 ProcessedState = dict[str, Any]
-KERNEL_MAX_ROWS = MAX_GEMV_ROWS  # our kernel handles any M; up to here it is faster than oneDNN
-ONEDNN_MIN_ROWS = KERNEL_MAX_ROWS
 
 
 def power_of_two_pieces(m: int, smallest: int) -> Iterator[tuple[int, int]]:
@@ -102,25 +93,6 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.cat([torch.ops.mkldnn._linear_pointwise(x[s : s + n], packed, bias, "none", [], "")
                       for s, n in power_of_two_pieces(m, 1)])
-
-
-def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv) -> torch.Tensor:
-    """x @ weight.T (+ bias): our kernel up to KERNEL_MAX_ROWS rows, oneDNN in power-of-two pieces above."""
-    m = x.shape[0]
-    if m <= KERNEL_MAX_ROWS:
-        return gemv(x, weight, bias)
-    x = x.contiguous()
-    out = x.new_empty((m, weight.shape[0]))
-    wt = weight.t()
-    for start, rows in power_of_two_pieces(m, ONEDNN_MIN_ROWS):
-        part = x[start : start + rows]
-        if rows < ONEDNN_MIN_ROWS:
-            out[start : start + rows] = gemv(part, weight, bias)
-        elif bias is None:
-            torch.mm(part, wt, out=out[start : start + rows])
-        else:
-            torch.addmm(bias, part, wt, out=out[start : start + rows])
-    return out
 
 
 class WeightArena:
@@ -201,32 +173,6 @@ class OneDNNPackedLinearMethod(LinearMethod):
 
     def processed_state(self, layer: Linear) -> None:
         return None  # a mkldnn tensor: its layout is oneDNN's own, not bytes we can map back
-
-
-class GemvLinearMethod(LinearMethod):
-    """Plain weights in the arena: our AVX512-BF16 kernel up to KERNEL_MAX_ROWS rows, oneDNN above."""
-
-    description = f"avx512-bf16 kernel (<= {KERNEL_MAX_ROWS} rows) + oneDNN (one huge-page arena)"
-
-    def __init__(self, kernels: CpuKernels, arena: WeightArena) -> None:
-        self.gemv = kernels.gemv
-        self.arena = arena
-
-    def reserve(self, layer: Linear) -> None:
-        self.arena.reserve(layer, layer.out_features * layer.in_features)
-
-    def process(self, layer: Linear) -> None:
-        view = self.arena.take(layer, (layer.out_features, layer.in_features))
-        with torch.no_grad():
-            view.copy_(layer.weight)
-        layer.weight = nn.Parameter(view, requires_grad=False)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return kernel_linear(x, layer.weight, layer.bias, self.gemv)
-
-    def tied_embedding(self, head: Linear, embedding: nn.Embedding) -> nn.Module:
-        embedding.weight = head.weight  # the arena copy serves both
-        return embedding
 
 
 class PackedGemmLinearMethod(LinearMethod):
@@ -343,25 +289,18 @@ class PackedEmbedding(nn.Module):
         return self.rows(head.packed_weight, ids, head.out_features, head.in_features)
 
 
-def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                         choice: str = "auto") -> LinearMethod:
+def select_linear_method(dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None) -> LinearMethod:
     """The fastest bf16 matmul this CPU offers, with one copy of each weight: AMX tiles, else the
-    batch-invariant kernel of the CPU's tier (AVX512-BF16, AVX512-VNNI or AVX2), else oneDNN-packed weights; plain F.linear for other dtypes
-    and devices. choice="legacy" (`EngineArgs.linear`) picks the older kernel + oneDNN split instead
-    (on CPUs without AMX; it is not batch-invariant), to compare the two; $CHATSERVE_LINEAR=legacy sets
-    it through `EngineArgs.from_env`."""
-    if choice not in LINEAR_CHOICES:
-        raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}; got {choice!r}")
+    batch-invariant kernel of the CPU's tier (AVX512-BF16, AVX512-VNNI or AVX2), else oneDNN-packed
+    weights; plain F.linear for other dtypes and devices."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return TorchLinearMethod()
     if kernels is not None:
         arena = WeightArena(kernels)
         if kernels.amx is not None:
             return AmxLinearMethod(kernels, arena)
-        if kernels.gemm is not None and (choice != "legacy" or kernels.gemv is None):
+        if kernels.gemm is not None:
             return PackedGemmLinearMethod(kernels, arena)
-        if kernels.gemv is not None:
-            return GemvLinearMethod(kernels, arena)
     if packed_linear_available(dtype, device):
         return OneDNNPackedLinearMethod()
     return TorchLinearMethod()

@@ -1,9 +1,9 @@
 """What a model's layers run, chosen once per engine before the model is built.
 
 The model runner picks these from `EngineArgs`, the device, the dtype and what the CPU offers
-(`select_layer_ops`), and every layer takes what it needs at construction. The kernel tier's cap,
-the kernels' build folder and the matmul choice arrive as arguments (`EngineArgs.max_cpu_tier`,
-`kernel_build_dir`, `linear`): nothing here reads the environment. Nothing is swapped
+(`select_layer_ops`), and every layer takes what it needs at construction. The kernel tier's cap
+and the kernels' build folder arrive as arguments (`EngineArgs.max_cpu_tier`, `kernel_build_dir`):
+nothing here reads the environment. Nothing is swapped
 after load and no forward re-checks which kernel to use beyond the data (dtype, row count).
 
 `LayerOps` also knows whether the whole forward path is batch- and thread-invariant: the fallbacks
@@ -91,11 +91,10 @@ def select_layer_ops(
     *, dtype: torch.dtype, device: torch.device, attention_backend: str, cpu_kernels: bool, amx: bool,
     head_dim: int, num_heads: int, num_kv_heads: int, quantization: str = "none", is_gguf: bool = False,
     cpu_kernel_tier: str = "auto", max_cpu_tier: str | None = None, kernel_build_dir: str | None = None,
-    linear: str = "auto",
 ) -> LayerOps:
     """The C++ kernels where asked for and where they apply (a bf16 model on a CPU with a kernel
     tier: AVX2 or better, up to `max_cpu_tier`; built under `kernel_build_dir`), the matmul method that
-    goes with them (`linear`: auto or legacy, layers/linear.py), and the attention backend."""
+    goes with them (layers/linear.py), and the attention backend."""
     kernels = None
     if cpu_kernels and device.type == "cpu" and dtype == torch.bfloat16:
         kernels = load_cpu_kernels(amx=amx, tier=cpu_kernel_tier, cap=max_cpu_tier, build_dir=kernel_build_dir)
@@ -104,11 +103,11 @@ def select_layer_ops(
         head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
     )
     quant = select_quantization(quantization, is_gguf=is_gguf, dtype=dtype, device=device, kernels=kernels)
-    method = quant.method or select_linear_method(dtype, device, kernels, linear)
+    method = quant.method or select_linear_method(dtype, device, kernels)
     ops = LayerOps(linear=method, attention=attention, cpu=kernels, gguf_qtypes=quant.keep_qtypes)
     for fallback in _selection_fallbacks(ops, dtype=dtype, device=device, cpu_kernels=cpu_kernels,
                                          attention_backend=attention_backend, head_dim=head_dim, tier=cpu_kernel_tier,
-                                         max_cpu_tier=max_cpu_tier, kernel_build_dir=kernel_build_dir, linear=linear):
+                                         max_cpu_tier=max_cpu_tier, kernel_build_dir=kernel_build_dir):
         ops.note(fallback)
     logger.info("%s", ops.describe())
     return ops
@@ -116,7 +115,7 @@ def select_layer_ops(
 
 def _selection_fallbacks(ops: LayerOps, *, dtype: torch.dtype, device: torch.device, cpu_kernels: bool,
                          attention_backend: str, head_dim: int, tier: str, max_cpu_tier: str | None,
-                         kernel_build_dir: str | None, linear: str) -> list[Fallback]:
+                         kernel_build_dir: str | None) -> list[Fallback]:
     """What runs outside the kernel tier by the choice of ops alone (before any layer is built)."""
     if ops.cpu is None:
         if device.type != "cpu":
@@ -135,8 +134,6 @@ def _selection_fallbacks(ops: LayerOps, *, dtype: torch.dtype, device: torch.dev
             cause = "the quantized kernels are unavailable"
         elif ops.cpu.gemm is None:
             cause = "the batch-invariant matmul failed its self-check"
-        elif linear == "legacy":
-            cause = "linear='legacy' ($CHATSERVE_LINEAR=legacy)"
         else:
             cause = "no batch-invariant matmul"
         out.append(Fallback("matmul", f"{cause}: {method.description}"))

@@ -1,4 +1,4 @@
-"""A Llama-family model's decoder layers as one C++ call a step (the tiered kernel builds, issue #30).
+"""A Llama-family model's decoder layers as one C++ call a step (every CPU kernel tier, issue #30).
 
 Why: a decode step of a small model spends as long between its kernels as in them. SmolLM2-135M
 runs ~300 kernel calls a token (30 layers of norms, three projections, rotary, K/V store, attention,
@@ -8,10 +8,10 @@ holds each layer's packed weights and calls the same kernels with the same argum
 order, with the GIL released, so a step gives the Python path's bits exactly (tests/kernels/test_layer_stack.py)
 and which path ran is invisible in the output.
 
-Used only where every piece of a layer is a tiered kernel: bf16 on a tiered CPU tier, the paged
-attention kernel, the fused norm / rotary / silu kernels, and projections that are GGUF / int8
-blocks (tier_quant) or bf16 panels (tier_gemm) of that same tier. Anything else (q/k norms, another
-attention backend, the AVX512-BF16 tier's own kernels, float32) keeps the Python layers. The model
+Used only where every piece of a layer is one of the tier's compiled kernels: bf16 on a CPU kernel
+tier, the paged attention kernel, the fused norm / rotary / silu kernels, and projections that are
+GGUF / int8 blocks (tier_quant) or bf16 panels (tier_gemm) of that same tier. Anything else (q/k
+norms, another attention backend, the AMX matmul, float32) keeps the Python layers. The model
 calls it for steps without a between-layers abort check (decode-only steps: engine/llm_engine.py).
 """
 
@@ -46,10 +46,10 @@ def _segments(layer: Linear, module: Any, tier: str) -> list[tuple[int, int, int
 
 
 def build_layer_stack(model: LlamaFamilyForCausalLM) -> Any | None:
-    """The model's layers as a C++ `LayerStack`, or None where some part of a layer is not a tiered
-    kernel (the Python layers then run every step). Call after `process_weights`."""
+    """The model's layers as a C++ `LayerStack`, or None where some part of a layer is not one of the
+    tier's compiled kernels (the Python layers then run every step). Call after `process_weights`."""
     ops, cfg = model.ops, model.config
-    if ops.cpu is None or not TIERS[ops.cpu.tier].tiered or cfg.qk_norm or cfg.moe is not None:
+    if ops.cpu is None or cfg.qk_norm or cfg.moe is not None:
         return None
     if any(layer.self_attn.window for layer in model.layers) or cfg.attn_softcap or cfg.rotary_dim:
         return None  # the C++ runner calls plain attention over every key, full-width rotary

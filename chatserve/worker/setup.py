@@ -35,7 +35,6 @@ class WorkerConfig:
     cpu_kernel_tier: str = "auto"
     max_cpu_tier: str | None = None  # the best kernel tier allowed (None: no cap)
     amx: bool = True
-    linear: str = "auto"  # the bf16 matmul on a kernel tier: auto or legacy (layers/linear.py)
     kernel_build_dir: str | None = None  # where the C++ kernels are built (None: torch's default folder)
     quantization: str = "auto"
     num_threads: int | None = None  # torch compute threads (None: torch's default, all cores)
@@ -46,7 +45,7 @@ class WorkerConfig:
         return cls(
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
             cpu_kernels=args.cpu_kernels, cpu_kernel_tier=args.cpu_kernel_tier, max_cpu_tier=args.max_cpu_tier,
-            amx=args.amx, linear=args.linear, kernel_build_dir=args.kernel_build_dir,
+            amx=args.amx, kernel_build_dir=args.kernel_build_dir,
             quantization=args.quantization, num_threads=args.num_threads,
             weight_cache=WeightCacheConfig(args.weight_cache, args.weight_cache_dir,
                                            int(args.weight_cache_max_gb * 2**30), cache_dir=args.cache_dir),
@@ -94,7 +93,7 @@ def build_model_runner(
         cpu_kernels=config.cpu_kernels, amx=config.amx, quantization=config.quantization, is_gguf=source.is_gguf,
         head_dim=cfg.head_dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         cpu_kernel_tier=config.cpu_kernel_tier, max_cpu_tier=config.max_cpu_tier,
-        kernel_build_dir=config.kernel_build_dir, linear=config.linear,
+        kernel_build_dir=config.kernel_build_dir,
     )
     return ModelRunner(source, hf_config, cfg, cache_config, dtype, device, max_model_len=max_model_len, ops=ops,
                        weight_cache=config.weight_cache)

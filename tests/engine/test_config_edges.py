@@ -1,8 +1,8 @@
 """The environment is read at the edges only (the design map: configuration travels as explicit objects).
 
-`EngineArgs.from_env` and the CLI turn $CHATSERVE_MAX_CPU_TIER, $CHATSERVE_LINEAR, $TORCH_EXTENSIONS_DIR,
-$CHATSERVE_CACHE_DIR and $XDG_CACHE_HOME into fields (`max_cpu_tier`, `linear`, `kernel_build_dir`,
-`cache_dir`); below them each value is an argument. These tests check both halves: a scan of chatserve/
+`EngineArgs.from_env` and the CLI turn $CHATSERVE_MAX_CPU_TIER, $TORCH_EXTENSIONS_DIR,
+$CHATSERVE_CACHE_DIR and $XDG_CACHE_HOME into fields (`max_cpu_tier`, `kernel_build_dir`, `cache_dir`);
+below them each value is an argument. These tests check both halves: a scan of chatserve/
 for any environment access outside the named edges (so the rule cannot silently come back), and the
 inner functions doing what their arguments say while the environment says otherwise.
 """
@@ -84,13 +84,12 @@ def test_only_the_edges_read_the_environment():
 
 
 def test_from_env_fills_the_unset_fields_and_explicit_values_win():
-    env = {"CHATSERVE_MAX_CPU_TIER": "avx2", "CHATSERVE_LINEAR": "legacy", "TORCH_EXTENSIONS_DIR": "/k",
-           "CHATSERVE_CACHE_DIR": "/c", "XDG_CACHE_HOME": "/x"}
+    env = {"CHATSERVE_MAX_CPU_TIER": "avx2", "TORCH_EXTENSIONS_DIR": "/k", "CHATSERVE_CACHE_DIR": "/c",
+           "XDG_CACHE_HOME": "/x"}
     args = EngineArgs.from_env(env, max_num_seqs=3)
-    assert (args.max_cpu_tier, args.linear, args.kernel_build_dir, args.cache_dir, args.max_num_seqs) == \
-        ("avx2", "legacy", "/k", "/c", 3)
-    mine = EngineArgs.from_env(env, max_cpu_tier="avx512_vnni", linear="auto", kernel_build_dir="/mine", cache_dir="/m")
-    assert (mine.max_cpu_tier, mine.linear, mine.kernel_build_dir, mine.cache_dir) == ("avx512_vnni", "auto", "/mine", "/m")
+    assert (args.max_cpu_tier, args.kernel_build_dir, args.cache_dir, args.max_num_seqs) == ("avx2", "/k", "/c", 3)
+    mine = EngineArgs.from_env(env, max_cpu_tier="avx512_vnni", kernel_build_dir="/mine", cache_dir="/m")
+    assert (mine.max_cpu_tier, mine.kernel_build_dir, mine.cache_dir) == ("avx512_vnni", "/mine", "/m")
     assert EngineArgs.from_env({"XDG_CACHE_HOME": "/x"}).cache_dir == str(Path("/x/chatserve"))
     assert EngineArgs.from_env({}) == EngineArgs()  # nothing set: the fields' own defaults
     assert set(config.ENVIRONMENT_FIELDS) <= EngineArgs.field_names()
@@ -98,17 +97,15 @@ def test_from_env_fills_the_unset_fields_and_explicit_values_win():
 
 
 def test_the_cli_reads_the_same_variables():
-    """`chatserve serve`: $CHATSERVE_MAX_CPU_TIER / $CHATSERVE_LINEAR / $CHATSERVE_CACHE_DIR are the flags'
+    """`chatserve serve`: $CHATSERVE_MAX_CPU_TIER / $CHATSERVE_CACHE_DIR are the flags'
     own $CHATSERVE_<FIELD> defaults; $TORCH_EXTENSIONS_DIR and $XDG_CACHE_HOME fill what the flags leave
     unset (engine_args_from); a flag wins over each."""
-    env = {"CHATSERVE_MAX_CPU_TIER": "avx2", "CHATSERVE_LINEAR": "legacy", "TORCH_EXTENSIONS_DIR": "/k",
-           "XDG_CACHE_HOME": "/x"}
+    env = {"CHATSERVE_MAX_CPU_TIER": "avx2", "TORCH_EXTENSIONS_DIR": "/k", "XDG_CACHE_HOME": "/x"}
     args = engine_args_from(parse_args(["serve"], environ=env), env)
-    assert (args.max_cpu_tier, args.linear, args.kernel_build_dir, args.cache_dir) == \
-        ("avx2", "legacy", "/k", str(Path("/x/chatserve")))
-    flags = ["serve", "--max-cpu-tier", "avx512_vnni", "--linear", "auto", "--kernel-build-dir", "/f", "--cache-dir", "/d"]
+    assert (args.max_cpu_tier, args.kernel_build_dir, args.cache_dir) == ("avx2", "/k", str(Path("/x/chatserve")))
+    flags = ["serve", "--max-cpu-tier", "avx512_vnni", "--kernel-build-dir", "/f", "--cache-dir", "/d"]
     args = engine_args_from(parse_args(flags, environ=env), env)
-    assert (args.max_cpu_tier, args.linear, args.kernel_build_dir, args.cache_dir) == ("avx512_vnni", "auto", "/f", "/d")
+    assert (args.max_cpu_tier, args.kernel_build_dir, args.cache_dir) == ("avx512_vnni", "/f", "/d")
     with pytest.raises(ValueError, match=r"\$CHATSERVE_MAX_CPU_TIER: expected one of avx512_bf16, .*got 'avx1'"):
         parse_args(["serve"], environ={"CHATSERVE_MAX_CPU_TIER": "avx1"})
 
@@ -134,7 +131,6 @@ def test_inner_functions_follow_their_arguments_not_the_environment(monkeypatch,
     from chatserve.models.weight_cache import WeightCacheConfig
 
     monkeypatch.setenv("CHATSERVE_MAX_CPU_TIER", "avx2")
-    monkeypatch.setenv("CHATSERVE_LINEAR", "not-a-choice")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "env-builds"))
     monkeypatch.setenv("CHATSERVE_CACHE_DIR", str(tmp_path / "env-cache"))
     flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"})
@@ -158,12 +154,11 @@ def test_inner_functions_follow_their_arguments_not_the_environment(monkeypatch,
 def test_the_worker_config_carries_the_fields():
     from chatserve.worker.setup import WorkerConfig
 
-    args = EngineArgs(max_cpu_tier="avx2", linear="legacy", kernel_build_dir="/k", cache_dir="/c")
+    args = EngineArgs(max_cpu_tier="avx2", kernel_build_dir="/k", cache_dir="/c")
     worker = WorkerConfig.from_engine_args(args)
-    assert (worker.max_cpu_tier, worker.linear, worker.kernel_build_dir) == ("avx2", "legacy", "/k")
+    assert (worker.max_cpu_tier, worker.kernel_build_dir) == ("avx2", "/k")
     assert worker.weight_cache.resolved_dir() == Path("/c/repacked-weights")
-    for bad, match in (({"linear": "fast"}, "linear must be one of auto, legacy"),
-                       ({"max_cpu_tier": "avx1"}, "max_cpu_tier must be one of"),
+    for bad, match in (({"max_cpu_tier": "avx1"}, "max_cpu_tier must be one of"),
                        ({"cache_dir": " "}, "cache_dir must be a folder path"),
                        ({"kernel_build_dir": ""}, "kernel_build_dir must be a folder path")):
         with pytest.raises(ValueError, match=match):

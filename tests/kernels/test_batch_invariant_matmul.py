@@ -1,5 +1,5 @@
-"""The batch-invariant bf16 matmul (csrc/bf16_gemm.cpp on AVX512-BF16, issue #20; csrc/tier_gemm.cpp
-for each other kernel tier this CPU runs, issue #30): each row of x @ W.T has the same bits whatever
+"""The batch-invariant bf16 matmul (issue #20; csrc/tier_gemm.cpp for each kernel tier this CPU runs,
+issue #30): each row of x @ W.T has the same bits whatever
 the row count of the call, the row's position in it and the thread split, for the model's shapes and
 ragged ones; close to the fp32 matmul; rounded to bf16 as torch rounds (nearest even, NaN kept); bad
 inputs refused by name; and the linear method that serves it (packed weights, a tied embedding read
@@ -12,19 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chatserve.config import EngineArgs
 from chatserve.kernels import tiers
-from chatserve.kernels.cpu import CpuKernels, PackedGemm, load_cpu_kernels
-from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
-from chatserve.layers.linear import (
-    GemvLinearMethod,
-    Linear,
-    PackedGemmLinearMethod,
-    kernel_linear,
-    select_linear_method,
-)
+from chatserve.kernels.cpu import CpuKernels, PackedGemm
+from chatserve.kernels.tiers import TIERS, build_tier_family
+from chatserve.layers.linear import Linear, PackedGemmLinearMethod, select_linear_method
 from tests.conftest import PROCESS_ENGINE_ARGS
-from tests.helpers.tier_compile import compile_tier_object
+from tests.helpers.tier_compile import compile_tier_object, unrunnable_tiers
 
 # this run's tier cap ($CHATSERVE_MAX_CPU_TIER, read at the edge by EngineArgs.from_env in conftest)
 CAP = PROCESS_ENGINE_ARGS.max_cpu_tier
@@ -33,18 +26,13 @@ CAP = PROCESS_ENGINE_ARGS.max_cpu_tier
 # rows), spread tails, the thread split switching from columns to rows at 64, row cache blocks
 ROW_COUNTS = [*range(1, 18), 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 1000, 1100]
 MAX_ROWS = max(ROW_COUNTS)
-# the hand-written AVX512-BF16 kernel, then each tier built from csrc/tier_gemm.cpp that this CPU runs
-GEMM_TIERS = ["avx512_bf16", *(t.name for t in tiers.tested_tiers(CAP) if t.tiered)]
-
-
-def _bf16_kernels() -> CpuKernels | None:
-    # supported_tiers, not the raw flag: the run's cap may be below the tier
-    return load_cpu_kernels(amx=False, tier="avx512_bf16") if tiers.TIERS["avx512_bf16"] in tiers.supported_tiers(cap=CAP) else None
+# each tier this CPU runs (up to the run's cap), csrc/tier_gemm.cpp built for it
+GEMM_TIERS = [t.name for t in tiers.tested_tiers(CAP)]
 
 
 def tiered_gemm(ext) -> PackedGemm:
     """A tier's gemm extension as the PackedGemm the layers see (unchecked: the tests check it)."""
-    return PackedGemm(pack=ext.gemm_pack, linear=ext.gemm, rows=ext.gemm_rows, peak_gflops=ext.fma_peak_gflops,
+    return PackedGemm(pack=ext.gemm_pack, linear=ext.gemm, rows=ext.gemm_rows, peak_gflops=ext.dot_peak_gflops,
                       packed_shape=lambda n, k: tuple(ext.gemm_packed_shape(n, k)))
 
 
@@ -55,13 +43,6 @@ def gemm_tier(request) -> str:
 
 @pytest.fixture(scope="module")
 def gemm(gemm_tier) -> PackedGemm:
-    if gemm_tier == "avx512_bf16":
-        if tiers.TIERS["avx512_bf16"] not in tiers.supported_tiers(cap=CAP):
-            pytest.skip("no AVX512-BF16 CPU: the engine uses another tier")
-        kernels = _bf16_kernels()
-        if kernels is None or kernels.gemm is None:  # a CPU that has the tier: a failure, never a skip
-            pytest.fail("the AVX512-BF16 kernels or their batch-invariant matmul did not build or failed a self-check")
-        return kernels.gemm
     ext = build_tier_family("gemm", TIERS[gemm_tier])
     if ext is None:
         pytest.fail(f"csrc/tier_gemm.cpp did not build for {gemm_tier} (a tier this CPU runs)")
@@ -71,8 +52,6 @@ def gemm(gemm_tier) -> PackedGemm:
 @pytest.fixture(scope="module")
 def gemm_kernels(gemm_tier, gemm) -> CpuKernels:
     """A `CpuKernels` holding `gemm` (and the huge-page arena's allocator), for the linear method."""
-    if gemm_tier == "avx512_bf16":
-        return _bf16_kernels()
     fused = build_tier_family("fused", TIERS[gemm_tier])
     if fused is None:
         pytest.fail(f"csrc/tier_fused.cpp did not build for {gemm_tier} (a tier this CPU runs)")
@@ -80,17 +59,6 @@ def gemm_kernels(gemm_tier, gemm) -> CpuKernels:
                       store_kv=None, silu_mul=fused.silu_mul_bf16, rope_inplace=fused.rope_inplace_bf16,
                       add_rms_norm=fused.add_rms_norm_bf16, huge_page_zeros=fused.huge_page_zeros,
                       release_free_memory=fused.release_free_memory, gemm=gemm)
-
-
-@pytest.fixture(scope="module")
-def bf16_kernels() -> CpuKernels:
-    """The AVX512-BF16 tier's kernels (the older dot-product kernel it is compared with lives there only)."""
-    if tiers.TIERS["avx512_bf16"] not in tiers.supported_tiers(cap=CAP):
-        pytest.skip("no AVX512-BF16 CPU: the older kernel exists only there")
-    kernels = _bf16_kernels()
-    if kernels is None or kernels.gemm is None:
-        pytest.fail("the AVX512-BF16 kernels did not build or failed a self-check")
-    return kernels
 
 
 def _tolerance(ref: torch.Tensor) -> dict[str, float]:
@@ -150,22 +118,6 @@ def test_thread_count_never_changes_a_bit(gemm, n, m):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-def test_the_old_split_is_what_this_replaces(bf16_kernels):
-    """Why the kernel exists: the older dot-product kernel + oneDNN split rounds the same row
-    differently at different row counts (this guards the invariance tests above: the same check
-    does see a difference on a path that has one)."""
-    kernels, gemm = bf16_kernels, bf16_kernels.gemm
-    torch.manual_seed(11)
-    w = torch.randn(576, 576).to(torch.bfloat16)
-    x = torch.randn(300, 576).to(torch.bfloat16)
-    full = kernel_linear(x, w, None, kernels.gemv)
-    alone = torch.cat([kernel_linear(x[i : i + 1], w, None, kernels.gemv) for i in range(0, 300, 10)])
-    assert not torch.equal(alone, full[::10])
-    packed = gemm.pack(w)
-    full = gemm.linear(x, packed, None, 576)
-    assert torch.equal(torch.cat([gemm.linear(x[i : i + 1], packed, None, 576) for i in range(0, 300, 10)]), full[::10])
 
 
 def test_strided_rows_are_read_in_place_and_bad_inputs_refused(gemm):
@@ -233,32 +185,16 @@ def test_linear_method_packs_once_and_serves_a_tied_embedding(gemm_kernels):
     assert torch.equal(head(x.t().contiguous().t()), head(x))
 
 
-def test_legacy_switch_and_bad_values(bf16_kernels):
-    """linear="legacy" (EngineArgs.linear; $CHATSERVE_LINEAR=legacy through EngineArgs.from_env) picks
-    the older kernel; auto the packed one; anything else is refused naming the field, and the variable
-    at the edge."""
-    kernels = bf16_kernels
-    cpu = torch.device("cpu")
-    assert isinstance(select_linear_method(torch.bfloat16, cpu, kernels, "legacy"), GemvLinearMethod)
-    assert isinstance(select_linear_method(torch.bfloat16, cpu, kernels, "auto"), PackedGemmLinearMethod)
-    with pytest.raises(ValueError, match="linear must be one of auto, legacy; got 'fast'"):
-        select_linear_method(torch.bfloat16, cpu, kernels, "fast")
-    assert EngineArgs.from_env({"CHATSERVE_LINEAR": " Legacy "}).linear == "legacy"
-    assert EngineArgs.from_env({"CHATSERVE_LINEAR": "legacy"}, linear="auto").linear == "auto"  # explicit wins
-    with pytest.raises(ValueError, match="CHATSERVE_LINEAR must be unset, auto or legacy; got 'fast'"):
-        EngineArgs.from_env({"CHATSERVE_LINEAR": "fast"})
-
-
 def test_peak_probe_reports_a_rate(gemm):
     assert gemm.peak_gflops(10_000) > 0
 
 
-def test_rounding_is_torchs_nearest_even_and_nan_is_kept(gemm, gemm_tier):
+def test_rounding_is_torchs_nearest_even_and_nan_is_kept(gemm):
     """With K = 2 every product of two bf16 is exact in fp32, so acc = x0 w0 + x1 w1 is rounded once
     whatever the kernel's order; + bias and the bf16 rounding must then give torch's bits exactly:
     ties to even (1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6), overflow to inf, and NaN for NaN or
-    inf * 0: 0x7FC0 on the tiered kernels (c10's scalar rounding; torch's vectorised one writes
-    0xFFFF), any NaN on AVX512-BF16 (vcvtneps2bf16 keeps the input's sign and payload)."""
+    inf * 0: 0x7FC0 on every tier (vec.h's store_bf16, c10's scalar rounding; torch's vectorised one
+    writes 0xFFFF)."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(64, 2, generator=gen).to(torch.bfloat16)
     w = torch.randn(48, 2, generator=gen).clamp(-1, 1).to(torch.bfloat16)  # |x w| stays finite: exact
@@ -280,8 +216,7 @@ def test_rounding_is_torchs_nearest_even_and_nan_is_kept(gemm, gemm_tier):
         nan = ref.isnan()
         assert torch.equal(out.isnan(), nan)
         assert torch.equal(out[~nan].view(torch.int16), ref[~nan].view(torch.int16))
-        if gemm_tier != "avx512_bf16":  # vec.h's store_bf16: the quiet NaN of c10's scalar rounding
-            assert bool((out[nan].view(torch.int16) == 0x7FC0).all())
+        assert bool((out[nan].view(torch.int16) == 0x7FC0).all())  # vec.h's store_bf16: c10's quiet NaN
     assert float(gemm.linear(x[:2], packed, None, 48)[0, 0]) == 1.0
     assert float(gemm.linear(x[:2], packed, None, 48)[1, 1]) == 1.0 + 2.0**-6
 
@@ -310,9 +245,7 @@ def test_every_thread_count_and_row_position_gives_one_result(gemm):
         torch.set_num_threads(before)
 
 
-# the tiers whose vec.h section no tier of this CPU runs (AVX512 on an AVX2 host): compiled, not run
-UNRUNNABLE_TIERS = [t.name for t in TIERS.values() if t.tiered and not any(
-    set(t.cflags) & {"-DCHATSERVE_TIER_AVX2", "-DCHATSERVE_TIER_AVX512"} <= set(s.cflags) for s in supported_tiers() if s.tiered)]
+UNRUNNABLE_TIERS = unrunnable_tiers()
 
 
 # slow: ~50 s a tier on 2 cores (torch/extension.h alone), so `make test-all` runs it; a host of that

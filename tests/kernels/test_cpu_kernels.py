@@ -1,7 +1,7 @@
-"""The C++ CPU kernels (bf16 matmuls, AMX tile matmul, RMSNorm; attention: test_cpu_attention.py) against
-torch, the bounded matmul shapes, and the KV pool's zero-on-first-use; and the fused ops of each
-tiered build (csrc/tier_fused.cpp, issue #30) on every width, bit for bit the same per row at any
-batch and thread count."""
+"""The C++ CPU kernels (AMX tile matmul, RMSNorm; attention: test_cpu_attention.py; the batch-invariant
+matmul: test_batch_invariant_matmul.py) against torch, the bounded oneDNN shapes, and the KV pool's
+zero-on-first-use; and the fused ops of each tier's build (csrc/tier_fused.cpp, issue #30) on every
+width, bit for bit the same per row at any batch and thread count."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import torch.nn.functional as F
 
 from chatserve import LLM, SamplingParams
 from chatserve.kernels import tiers
-from chatserve.kernels.cpu_gemv import MAX_GEMV_ROWS
-from chatserve.kernels.tiers import TIERS, build_tier_family, supported_tiers
-from chatserve.layers.linear import kernel_linear, onednn_linear, onednn_pack, packed_linear_available, power_of_two_pieces
+from chatserve.kernels.tiers import TIERS, build_tier_family
+from chatserve.layers.linear import onednn_linear, onednn_pack, packed_linear_available, power_of_two_pieces
 from tests.conftest import PROCESS_ENGINE_ARGS
-from tests.helpers.tier_compile import compile_tier_object
+from tests.helpers.tier_compile import compile_tier_object, unrunnable_tiers
 
 CAP = PROCESS_ENGINE_ARGS.max_cpu_tier  # this run's $CHATSERVE_MAX_CPU_TIER (EngineArgs.from_env)
 
@@ -77,24 +76,6 @@ def test_amx_packed_rows_give_back_the_exact_weight_rows(amx, shape):
             amx.rows(packed, torch.tensor([bad]), n, k)
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 70)])  # model shapes and a ragged K tail
-def test_gemv_matches_float_matmul(kernels, shape):
-    if kernels.gemv is None:
-        pytest.skip(f"the older dot-product kernel is AVX512-BF16's only (these are {kernels.tier}'s)")
-    torch.manual_seed(0)
-    n, k = shape
-    w = torch.randn(n, k).to(torch.bfloat16)
-    b = torch.randn(n).to(torch.bfloat16)
-    for m in [*range(1, 18), 24, 31, 32, 33, 47, MAX_GEMV_ROWS]:
-        x = torch.randn(m, k).to(torch.bfloat16)
-        ref = F.linear(x.float(), w.float(), b.float())
-        out = kernels.gemv(x, w, b).float()
-        # one bf16 rounding of the result: relative error below 2^-8
-        torch.testing.assert_close(out, ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
-        torch.testing.assert_close(kernels.gemv(x, w, None).float(), F.linear(x.float(), w.float()),
-                                   atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
-
-
 def test_rms_norm_matches_torch(kernels):
     check_rms_norm(kernels.rms_norm)
 
@@ -134,21 +115,6 @@ def test_power_of_two_pieces_cover_rows_with_few_shapes():
         assert last[1] < 64 or last[1] & (last[1] - 1) == 0
         sizes.update(n for _, n in pieces if n >= 64)
     assert sizes == {64, 128, 256, 512, 1024, 2048, 4096}  # oneDNN sees 7 shapes per weight, not 5,000
-
-
-@pytest.mark.parametrize("m", [9, 40, 64, 65, 100, 129, 300])
-def test_kernel_linear_matches_float_matmul_at_every_size(kernels, m):
-    if kernels.gemv is None:
-        pytest.skip(f"the older dot-product kernel is AVX512-BF16's only (these are {kernels.tier}'s)")
-    torch.manual_seed(m)
-    w = (torch.randn(200, 96) * 0.1).to(torch.bfloat16)
-    b = torch.randn(200).to(torch.bfloat16)
-    x = torch.randn(m, 96).to(torch.bfloat16)
-    for bias in (b, None):
-        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-        out = kernel_linear(x, w, bias, kernels.gemv)
-        assert out.shape == (m, 200) and out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), ref, atol=1e-2 * float(ref.abs().max()), rtol=8e-3)
 
 
 def test_packed_linear_in_pieces_matches_float_matmul():
@@ -305,15 +271,15 @@ def test_store_kv_kernel_matches_reference_and_refuses_bad_slots(kernels):
             kernels.store_kv(k[:1], v[:1], k_cache, v_cache, torch.tensor([bad]))
 
 
-# ------------------------------------------------------------------ tiered fused ops (csrc/tier_fused.cpp)
-FUSED_TIERS = [t.name for t in tiers.tested_tiers(CAP) if t.tiered]
+# ------------------------------------------------------------------ each tier's fused ops (csrc/tier_fused.cpp)
+FUSED_TIERS = [t.name for t in tiers.tested_tiers(CAP)]
 
 
 @pytest.fixture(scope="module", params=FUSED_TIERS or ["none"])
 def fused(request):
     """A tier's fused-op extension, built on its own (no attention or matmul needed)."""
     if request.param == "none":
-        pytest.skip("no tiered kernel tier tested here (AVX2 or better)")
+        pytest.skip("no kernel tier tested here (AVX2 or better)")
     ext = build_tier_family("fused", TIERS[request.param])
     if ext is None:
         pytest.fail(f"csrc/tier_fused.cpp did not build for {request.param} (a tier this CPU runs)")
@@ -322,8 +288,8 @@ def fused(request):
 
 
 def test_tier_fused_ops_match_torch_at_every_width(fused):
-    """The checks above, and widths the AVX512-BF16 kernels refuse: any D (tails of 1..lanes-1), any
-    intermediate size, any even head_dim (a tail in each half)."""
+    """The checks above at every width: any D (tails of 1..lanes-1), any intermediate size, any even
+    head_dim (a tail in each half)."""
     check_rms_norm(fused.rms_norm_bf16, ((37, 576), (3, 100), (70, 64), (5, 7), (4, 1), (65, 1537)))
     check_add_rms_norm(fused.add_rms_norm_bf16, (576, 100, 7, 1))
     check_silu_mul(fused.silu_mul_bf16, (1536, 13, 8, 1))
@@ -391,9 +357,7 @@ def test_tier_huge_page_zeros_and_release(fused):
         fused.huge_page_zeros(0)
 
 
-# the tiers whose vec.h section no tier of this CPU runs (AVX512 on an AVX2 host): compiled, not run
-UNRUNNABLE_TIERS = [t.name for t in TIERS.values() if t.tiered and not any(
-    set(t.cflags) & {"-DCHATSERVE_TIER_AVX2", "-DCHATSERVE_TIER_AVX512"} <= set(s.cflags) for s in supported_tiers(cap=CAP) if s.tiered)]
+UNRUNNABLE_TIERS = unrunnable_tiers(CAP)
 
 
 # slow: ~50 s a tier on 2 cores (torch/extension.h alone), so `make test-all` runs it; a host of that

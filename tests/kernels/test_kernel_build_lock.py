@@ -48,19 +48,48 @@ def test_the_build_is_named_by_content_not_by_checkout(tmp_path):
     loads the build instead of compiling every tier again); any changed byte or flag is another build."""
     import shutil
 
-    from chatserve.kernels.build import CSRC, extension_name, kernel_source_files
+    from chatserve.kernels.build import CSRC, build_files, extension_name
 
-    files = kernel_source_files()
-    assert {p.name for p in files} >= {"tier_kernels.cpp", "vec.h", "simd.h"}
+    files = build_files([CSRC / "tier_kernels.cpp"])
+    assert {p.name for p in files} >= {"tier_kernels.cpp", "vec.h", "amx_gemm.cpp", "tier_gemm.cpp"}
     other = tmp_path / "another-checkout" / "csrc"
     shutil.copytree(CSRC, other)
-    copies = [other / p.name for p in files]
+    copies = build_files([other / "tier_kernels.cpp"])
+    assert [p.name for p in copies] == [p.name for p in files]
     name = extension_name("chatserve_tier_avx2", files, [CSRC / "tier_kernels.cpp"], ["-mavx2"], "2.13.0")
     assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx2"], "2.13.0") == name
     assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx2"], "2.14.0") != name
     assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx512f"], "2.13.0") != name
     (other / "vec.h").write_bytes((other / "vec.h").read_bytes() + b"\n// changed\n")
     assert extension_name("chatserve_tier_avx2", copies, [other / "tier_kernels.cpp"], ["-mavx2"], "2.13.0") != name
+
+
+def test_an_edit_renames_only_the_builds_that_include_the_file(tmp_path):
+    """A build's name covers its sources and the local files they include, transitively, and nothing
+    else of the folder: editing a kernel rebuilds only the extensions that include it."""
+    from chatserve.kernels.build import build_files, extension_name
+
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "a.cpp").write_text('#include "x.h"\nint a();\n')
+    (csrc / "b.cpp").write_text('#include <vector>\n  #  include "y.h"\nint b();\n')
+    (csrc / "y.h").write_text('#pragma once\n#if defined(ONLY_SOME_TIERS)\n#include "z.cpp"\n#endif\n')
+    for name in ("x.h", "z.cpp", "unused.h"):
+        (csrc / name).write_text(f"// {name}\n")
+    (csrc / "cycle.h").write_text('#include "cycle.h"\n')  # an include cycle ends
+
+    def names() -> dict[str, str]:
+        return {src: extension_name(src, build_files([csrc / src]), [csrc / src], [], "2.13.0")
+                for src in ("a.cpp", "b.cpp")}
+
+    assert [p.name for p in build_files([csrc / "b.cpp"])] == ["b.cpp", "y.h", "z.cpp"]
+    assert [p.name for p in build_files([csrc / "cycle.h"])] == ["cycle.h"]
+    before = names()
+    for edited, renamed in (("z.cpp", {"b.cpp"}), ("x.h", {"a.cpp"}), ("unused.h", set()), ("y.h", {"b.cpp"})):
+        (csrc / edited).write_text((csrc / edited).read_text() + "// edited\n")
+        after = names()
+        assert {src for src in before if after[src] != before[src]} == renamed, edited
+        before = after
 
 
 def test_staged_sources_are_rewritten_only_when_they_change(tmp_path):
@@ -157,7 +186,7 @@ def test_a_finished_build_is_imported_not_compiled_again(tmp_path, monkeypatch):
     # source, so another name: this process has the first library loaded, which a re-import reuses.)
     other = tmp_path / "other.cpp"
     other.write_text(_TINY_EXTENSION + "// another build\n")
-    name = build.extension_name("chatserve_test_tiny", [*build.kernel_source_files(), other], [other], [], torch.__version__)
+    name = build.extension_name("chatserve_test_tiny", build.build_files([other]), [other], [], torch.__version__)
     damaged = root / name
     damaged.mkdir(parents=True)
     (damaged / f"{name}.so").write_bytes(b"not a shared library")

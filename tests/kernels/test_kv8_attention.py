@@ -20,14 +20,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatserve.kernels.reference import paged_extend_attention, paged_masked_attention
 from chatserve.kernels import tiers
+from chatserve.kernels.reference import paged_extend_attention, paged_masked_attention
 from chatserve.kernels.tiers import build_tier_family
 from tests.conftest import PROCESS_ENGINE_ARGS
 from tests.kernels.test_cpu_attention import SEQS, _setup
 
-# the tiers built from csrc/tier_attention.cpp (the AVX512-BF16 tier joins once it is one of them)
-TIERS = [t for t in tiers.tested_tiers(cap=PROCESS_ENGINE_ARGS.max_cpu_tier) if t.tiered]
+TIERS = tiers.tested_tiers(cap=PROCESS_ENGINE_ARGS.max_cpu_tier)
 
 
 @pytest.fixture(scope="module", params=[t.name for t in TIERS])

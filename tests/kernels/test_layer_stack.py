@@ -1,6 +1,6 @@
 """The C++ decoder-layer runner (models/layer_stack.py, csrc/tier_kernels.cpp; issue #30) gives the
-Python layers' bits exactly, on every tiered kernel tier this CPU runs, for the default model's GGUF
-blocks and for bf16 panels; and it is used only where every part of a layer is a tiered kernel.
+Python layers' bits exactly, on every kernel tier this CPU runs, for the default model's GGUF blocks
+and for bf16 panels; and it is used only where every part of a layer is one of the tier's kernels.
 
 Why bits and not closeness: which path a step takes depends on the step (decode-only steps take the
 runner, prefill chunks the Python layers), so any difference would make output depend on scheduling,
@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from chatserve import LLM, SamplingParams
-from chatserve.kernels.tiers import TIERS
 from tests.conftest import KERNEL_TIERS
 
-TIERED = [t for t in KERNEL_TIERS if TIERS[t].tiered]
 PROMPTS = [
     [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}],
     [{"role": "user", "content": "List three prime numbers and explain why they are prime."}],
@@ -43,16 +41,16 @@ def _run(llm: LLM, use_stack: bool) -> list[tuple[list[int], list[float]]]:
     return result
 
 
-@pytest.fixture(scope="module", params=TIERED or ["none"])
+@pytest.fixture(scope="module", params=KERNEL_TIERS or ["none"])
 def tier(request) -> str:
     if request.param == "none":
-        pytest.skip("no tiered kernel tier on this CPU (AVX2 or better, other than AVX512-BF16's own kernels)")
+        pytest.skip("no kernel tier on this CPU (needs AVX2 + FMA)")
     return request.param
 
 
 @pytest.mark.parametrize("quantization", ["auto", "none"], ids=["gguf-blocks", "bf16-panels"])
 def test_runner_gives_the_python_layers_bits(tier, quantization):
-    llm = LLM(cpu_kernel_tier=tier, quantization=quantization, max_model_len=1024)
+    llm = LLM(cpu_kernel_tier=tier, quantization=quantization, max_model_len=1024, amx=False)
     model = llm.engine.runner.model
     assert model.layer_stack is not None and len(model.layer_stack) == model.config.num_layers
     with_stack = _run(llm, True)
@@ -63,7 +61,7 @@ def test_runner_gives_the_python_layers_bits(tier, quantization):
 
 def test_runner_forward_matches_the_layers_on_a_decode_batch(tier):
     """One decode-only step through `forward`, the runner against the Python layers: the same logits."""
-    llm = LLM(cpu_kernel_tier=tier, max_model_len=1024)
+    llm = LLM(cpu_kernel_tier=tier, max_model_len=1024, amx=False)
     engine, model = llm.engine, llm.engine.runner.model
     captured: list[torch.Tensor] = []
     original = type(model).forward
@@ -88,9 +86,10 @@ def test_runner_forward_matches_the_layers_on_a_decode_batch(tier):
         assert torch.equal(stacked, python)
 
 
-def test_not_used_where_a_layer_is_not_all_tiered_kernels():
+def test_not_used_where_a_layer_is_not_all_the_tiers_kernels():
     llm = LLM(dtype="float32", max_model_len=512)
     assert llm.engine.runner.model.layer_stack is None  # torch ops
     if "avx512_bf16" in KERNEL_TIERS:
-        bf16 = LLM(cpu_kernel_tier="avx512_bf16", max_model_len=512)
-        assert bf16.engine.runner.model.layer_stack is None  # that tier's own kernels, not the tiered builds
+        bf16 = LLM(cpu_kernel_tier="avx512_bf16", quantization="none", max_model_len=512)
+        # the AMX matmul (where the CPU has tiles) is not one the runner calls; the tier's own is
+        assert (bf16.engine.runner.model.layer_stack is None) == (bf16.engine.runner.ops.cpu.amx is not None)

@@ -30,7 +30,6 @@ if "chatserve.kernels.triton_attention" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from chatserve import LLM, SamplingParams  # noqa: E402
-from chatserve.kernels.tiers import TIERS  # noqa: E402
 from chatserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq  # noqa: E402
 from chatserve.models.loader import save_tokenizer  # noqa: E402
 from tests.conftest import KERNEL_TIERS  # noqa: E402
@@ -173,8 +172,8 @@ def test_rope_kernel_rotates_by_yarns_tables(kernels, tiny_llama):
 
 @pytest.mark.parametrize("tier", KERNEL_TIERS or ["none"])
 def test_cpu_kernel_tiers_and_layer_stack_follow_transformers(tier, tiny_llama, prompt, hf_yarn, hf_plain):
-    """bf16 on each kernel tier: the C++ rope kernel in every layer, and on the tiered tiers the C++
-    layer stack for the decode steps; our greedy tokens are transformers' up to bf16 near-ties, and
+    """bf16 on each kernel tier: the C++ rope kernel in every layer, and (without the AMX matmul) the
+    C++ layer stack for the decode steps; our greedy tokens are transformers' up to bf16 near-ties, and
     the stack gives the Python layers' bits."""
     if tier == "none":
         pytest.skip("no kernel tier on this CPU (needs AVX2 + FMA)")
@@ -183,7 +182,7 @@ def test_cpu_kernel_tiers_and_layer_stack_follow_transformers(tier, tiny_llama, 
     model = llm.engine.runner.model
     assert all(layer.self_attn.rotate._kernel is not None for layer in model.layers), "the C++ rope kernel is not used"
     stack = model.layer_stack
-    assert (stack is not None) == TIERS[tier].tiered
+    assert (stack is not None) == (llm.engine.runner.ops.cpu.amx is None)
     tokens, logprobs = _generate(llm, prompt)
     gaps = _gaps(hf_yarn, prompt, tokens)
     assert gaps.max() <= NEAR_TIE, (tier, gaps.tolist())

@@ -6,14 +6,16 @@
 // multiply expects, the decode matmuls become bound by memory bandwidth at every batch size
 // we serve, and prefill by the tile unit. Numbers: BENCHMARKS.md ("AMX matmul").
 //
+// Part of the AVX512-BF16 tier's one extension: csrc/tier_kernels.cpp includes this file (in its own
+// namespace) only under CHATSERVE_BF16, whose flags add -mamx-tile -mamx-bf16. The tile instructions
+// run only where amx_available() (kernels/tiered.py checks the results before anything uses them).
+//
 // Packed weight layout, [NB][KB][16][32] bf16 (NB = ceil(N/16), KB = ceil(K/32), zero padded):
 // block (nb, kb) is one 1 KiB B tile: row p holds, for the 16 output columns nb*16 + c, the
 // pair of weights at k = kb*32 + 2p and 2p + 1 (the "VNNI" pairing tdpbf16ps reads).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <malloc.h>
-#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -158,32 +160,6 @@ bool amx_available() {
   }();
   return ok;
 }
-
-// A zero-filled bf16 tensor of `numel` values in its own mapping, 2 MiB aligned and advised
-// for transparent huge pages. Why: the decode matmuls stream every weight once per step, and
-// with 4 KiB pages that stream takes a TLB miss every 4 KiB. Measured over SmolLM2's packed
-// weights (2 threads): M = 1 13.4 -> 11.4 ms, M = 32 18.5 -> 14.8 ms. Where the kernel offers
-// no huge pages the advice is a no-op and this is plain anonymous memory.
-torch::Tensor huge_page_zeros(int64_t numel) {
-  TORCH_CHECK(numel > 0, "numel must be positive");
-  constexpr size_t kHuge = size_t(2) << 20;
-  const size_t len = (static_cast<size_t>(numel) * sizeof(at::BFloat16) + kHuge - 1) / kHuge * kHuge;
-  void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(raw != MAP_FAILED, "mmap of ", len, " bytes failed");
-  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
-  if (aligned > start) munmap(raw, aligned - start);  // trim to the aligned range
-  const size_t tail = (start + len + kHuge) - (aligned + len);
-  if (tail > 0) munmap(reinterpret_cast<void*>(aligned + len), tail);
-  void* p = reinterpret_cast<void*>(aligned);
-  madvise(p, len, MADV_HUGEPAGE);  // advice only: failure leaves ordinary pages
-  return torch::from_blob(p, {numel}, [len](void* q) { munmap(q, len); }, torch::dtype(at::kBFloat16));
-}
-
-// Hands freed heap memory back to the OS. Called once the plain weights have been replaced by
-// their packed copies in the arena: glibc keeps freed heap pages (the plain weights were not
-// all in their own mappings), which would count twice in the resident set (+84 MiB measured).
-void release_free_memory() { malloc_trim(0); }
 
 // [N, K] bf16 -> the packed [NB, KB, 16, 32] layout described at the top, into `out` when given
 // (a view of a shared arena). Written in one pass, with no temporaries: the tied embedding of a
@@ -337,4 +313,13 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
     _tile_release();
   });
   return y;
+}
+
+// The family's functions, registered on tier_kernels.cpp's module (the AVX512-BF16 tier only).
+inline void register_amx(py::module& m) {
+  m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
+  m.def("amx_pack_weight", &amx_pack_weight, "bf16 [N, K] -> AMX tile layout [NB, KB, 16, 32]",
+        py::arg("w"), py::arg("out") = py::none());
+  m.def("amx_packed_rows", &amx_packed_rows, "rows of the matrix behind an AMX-packed weight");
+  m.def("amx_linear", &amx_linear, "bf16 x W^T (+ bias) over an AMX-packed weight");
 }

@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <malloc.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -48,6 +51,12 @@ namespace cs_attention {
 namespace cs_quant {
 #include "tier_quant.cpp"
 }  // namespace cs_quant
+#if defined(CHATSERVE_BF16)
+// The AMX tile matmul (the AVX512-BF16 tier only; its instructions run only where amx_available()).
+namespace cs_amx {
+#include "amx_gemm.cpp"
+}  // namespace cs_amx
+#endif
 
 namespace cs_layers {
 
@@ -171,6 +180,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cs_gemm::register_gemm(m);
   cs_attention::register_attention(m);
   cs_quant::register_quant(m);
+#if defined(CHATSERVE_BF16)
+  cs_amx::register_amx(m);
+#endif
   m.attr("BF16_PANELS") = cs_layers::kBf16Panels;
   // module_local: every tier's extension defines cs_layers::LayerStack, and pybind11's type registry
   // is shared by the extensions of one process (a test session loads several tiers)

@@ -11,6 +11,8 @@
 //   CHATSERVE_TIER_AVX2         8 fp32 lanes (ymm), FMA, F16C; int8 dot via vpmaddubsw + vpmaddwd,
 //                               or AVX-VNNI's vpdpbusd when CHATSERVE_VNNI is also defined
 //   CHATSERVE_TIER_AVX512       16 fp32 lanes (zmm), AVX512F/BW/VL/DQ + AVX512-VNNI (vpdpbusd)
+//   CHATSERVE_BF16              with CHATSERVE_TIER_AVX512 only (the avx512_bf16 tier): adds the bf16-pair
+//                               operations below (vdpbf16ps), which a kernel may use as its micro-kernel step
 //
 // Contract every tier keeps (kernels rely on it for bit-identical results within a tier):
 //   - fma(a, b, c) is a single fused multiply-add (one rounding); mul/add round once each.
@@ -164,6 +166,29 @@ CS_INLINE VF round_nearest(VF a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NE
 CS_INLINE VF exp2_int(VF n) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23))};
 }
+#endif
+
+// ------------------------------------------------------------------ bf16 pairs (CHATSERVE_BF16 only)
+// What only the AVX512-BF16 tier has, as micro-kernel operations. Deliberately absent: a native
+// fp32 -> bf16 store (vcvtneps2bf16). It rounds to nearest even as store_bf16 does, but flushes fp32
+// denormals to a signed zero and keeps a NaN's sign and payload (store_bf16 writes 0x7FC0, c10's
+// scalar rounding), so it is not the same bits; every tier keeps the integer rounding above.
+#if defined(CHATSERVE_BF16)
+#if !defined(CHATSERVE_TIER_AVX512)
+#error "CHATSERVE_BF16 needs CHATSERVE_TIER_AVX512 (the avx512_bf16 tier in kernels/tiers.py)"
+#endif
+struct VB { __m512bh v; };  // kLanes pairs of bf16 (2 * kLanes values; pair i is values 2i, 2i + 1)
+CS_INLINE VB load_bf16_pairs(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+// the pair (p[0], p[1]) in every lane
+CS_INLINE VB broadcast_bf16_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return {(__m512bh)_mm512_set1_epi32(v)};
+}
+// acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1] (vdpbf16ps): the products are exact in fp32, the two adds
+// round to nearest even, denormal inputs read as zero and a denormal result is flushed to zero (the
+// instruction ignores MXCSR). One step of this tier's bf16 dot products; its bits are the tier's own.
+CS_INLINE VF dpbf16(VF acc, VB a, VB b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
 #endif
 
 // A hint that the cache line at p is read soon (SSE, the same on every tier; no fault if unmapped).

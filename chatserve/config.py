@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "none", "gguf", "int8"]
+KVCacheDTypeName = Literal["auto", "bf16", "int8"]
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = get_args(KVCacheDTypeName)
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "gguf", "int8")
 TierName = Literal["avx512_bf16", "avx512_vnni", "avx2_vnni", "avx2"]  # kernels/tiers.py TIERS, best first
 # Which waiting request the scheduler admits next (core/scheduler.py): vLLM's fcfs and priority, SGLang's lpm.
@@ -67,6 +69,34 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, cpu_kernels: b
         return getattr(torch, _DTYPES[dtype])
     except KeyError:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}") from None
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, model_dtype: torch.dtype,
+                           attention_backend: str = "auto") -> torch.dtype:
+    """The KV cache's element type for `EngineArgs.kv_cache_dtype` on this device and model dtype.
+
+    auto: the model's dtype (bfloat16 on a CPU with a kernel tier). bf16: bfloat16, which must be the
+    model's dtype (a float32 engine keeps float32 K/V: use auto). int8: 8-bit K/V with one fp32 scale
+    per token and KV head (kernels/kv_quant.py), quantized from the model dtype's values (bfloat16, or
+    float32 on a CPU without a kernel tier); the CPU paths only: the Triton kernels do not read it, so
+    on CUDA, or with attention_backend triton, it is an error at start-up.
+    """
+    import torch
+
+    if kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}; got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "bf16":
+        if model_dtype != torch.bfloat16:
+            raise ValueError(f"kv_cache_dtype='bf16' needs a bfloat16 engine, but this one runs "
+                             f"{str(model_dtype).removeprefix('torch.')}; use kv_cache_dtype auto (or int8)")
+        return torch.bfloat16
+    if device.type == "cuda" or attention_backend == "triton":
+        where = "CUDA" if device.type == "cuda" else "attention_backend='triton'"
+        raise ValueError(f"kv_cache_dtype='int8' runs on the CPU attention paths only; the Triton kernels ({where}) "
+                         "do not read an 8-bit KV cache: use kv_cache_dtype auto or bf16")
+    return torch.int8
 
 
 def cpu_has_native_bf16(max_cpu_tier: str | None = None) -> bool:
@@ -192,6 +222,10 @@ class EngineArgs:
         "help": "which waiting request is admitted next: fcfs (arrival order), priority (the request's priority, "
                 "lower first, then arrival; as vLLM; a running request of the lowest priority is preempted first), lpm "
                 "(longest cached prefix first, as SGLang; a request overtaken 32 times by later arrivals goes next)"})
+    kv_cache_dtype: KVCacheDTypeName = field(default="auto", metadata={
+        "help": "the KV cache's element type: auto (the model's dtype: bfloat16 on a CPU with a kernel tier), "
+                "bf16, or int8: 8-bit K/V with one fp32 scale per token and KV head, 1.88x the cached tokens in the "
+                "same memory at head_dim 64 (quantized from the model dtype's values; CPU only: an error on CUDA)"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size in blocks; wins over the memory budget (default: from the memory budget)",
         "aliases": ("--num-gpu-blocks-override",)})
@@ -306,6 +340,9 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         if self.cpu_kernel_tier not in TIER_CHOICES:
             raise ValueError(f"cpu_kernel_tier must be one of {', '.join(TIER_CHOICES)}; got {self.cpu_kernel_tier!r}")
         if self.cpu_kernel_tier != "auto" and not self.cpu_kernels:

@@ -148,9 +148,10 @@ class EngineInfo:
     block_size: int
     num_kv_blocks: int
     kv_pool_tokens: int  # num_kv_blocks * block_size
-    kv_bytes_per_block: int
+    kv_bytes_per_block: int  # every layer's K and V of one block (int8: the scales included)
     max_model_len: int
     load_seconds: float  # the whole engine construction
     weights_load_seconds: float  # the weights alone (read, or mapped from the weight cache)
     weight_cache_status: str  # "hit", "miss", "off", ...
     plain_parameters: int  # parameters held as torch tensors (packed quantized matmuls not included)
+    kv_cache_dtype: str = ""  # the KV cache's element type ("bfloat16", "int8"); "" = dtype

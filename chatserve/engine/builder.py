@@ -152,6 +152,13 @@ def assemble_engine_parts(
     )
 
 
+def kv_dtype_field(info: WorkerInfo) -> str:
+    """The fingerprint's ``kv_dtype``: the KV cache's element type where it is not the model's (an 8-bit
+    cache: its blocks are never read by a bf16 engine, nor a bf16 engine's by it), else ""."""
+    kv = info.kv_cache_dtype
+    return kv if kv and kv != info.dtype else ""
+
+
 def kv_fingerprint(args: EngineArgs, source: ModelSource, cfg: ModelConfig, info: WorkerInfo) -> KVFingerprint:
     """Everything that changes a KV block's bytes here (kv_offload/fingerprint.py), the model's rotary
     tables as resolved among them (theta, scaling, and max_model_len where they depend on it, as
@@ -170,4 +177,5 @@ def kv_fingerprint(args: EngineArgs, source: ModelSource, cfg: ModelConfig, info
         dtype=info.dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, block_size=args.block_size, kv_layout=info.attention_backend,
         kernels=f"{info.kernels}; quantization={args.quantization}", device_type=info.device,
+        kv_dtype=kv_dtype_field(info),
     ).with_rope(info.rope_identity)

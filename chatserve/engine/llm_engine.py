@@ -337,6 +337,7 @@ class LLMEngine(EngineCore):
             kv_bytes_per_block=pool.bytes_per_block, max_model_len=self.max_model_len,
             load_seconds=self.load_seconds, weights_load_seconds=worker.load_seconds,
             weight_cache_status=worker.weight_cache_status, plain_parameters=worker.plain_parameters,
+            kv_cache_dtype=worker.kv_cache_dtype or worker.dtype,
         )
 
     def stats(self) -> dict[str, Any]:

@@ -137,6 +137,7 @@ def _load(tier: str, amx: bool, root: Path) -> CpuKernels | None:
             return None
         verify_rms_norm(kernels.rms_norm)
         verify_paged_attention(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
+        verify_paged_attention_int8(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
         verify_fused(kernels.silu_mul, kernels.rope_inplace, kernels.add_rms_norm)
         verify_gemma_ops(kernels)
         return replace(kernels, build_dir=root)
@@ -231,6 +232,54 @@ def verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torc
     ref = torch.nn.functional.rms_norm(x.float(), (96,), w.float(), 1e-5)
     if not torch.allclose(rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=2e-2):
         raise RuntimeError("rms_norm kernel gave wrong results")
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """bf16 K/V rows [..., D] -> int8 cache rows [..., D + 4] in the reference layout (issue 56's KV
+    contract): per row scale = amax / 127 and q = clamp(round_half_even(x / scale), -127, 127) (0
+    where the scale is 0), then the scale's 4 raw bytes. The formula every kernel must match bit for bit."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(scale == 0, torch.zeros_like(xf), (xf / scale).round().clamp(-127, 127))
+    return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Reference-layout int8 cache rows [..., D + 4] -> fp32 [..., D]: q * scale."""
+    d = rows.shape[-1] - 4
+    return rows[..., :d].float() * rows[..., d:].contiguous().view(torch.float32)
+
+
+def verify_paged_attention_int8(paged_attention: Callable[..., torch.Tensor], store_kv_paged: Callable[..., None],
+                                store_kv: Callable[..., None]) -> None:
+    """The int8 KV path: store_kv's bytes are the contract's formula; decodes and a chunk over int8
+    caches in the kernel's layout match the fp32 reference over the dequantized values; one row
+    alone gives the same bits as in the batch."""
+    from chatserve.kernels.reference import paged_extend_attention
+
+    gen = torch.Generator().manual_seed(1)
+    k_src = (torch.randn(24, 2, 32, generator=gen) * 2).to(torch.bfloat16)
+    v_src = torch.randn(24, 2, 32, generator=gen).to(torch.bfloat16)
+    k_src[3, 1] = 0  # a zero row: scale 0
+    k_plain = torch.zeros(6, 4, 2, 36, dtype=torch.int8)
+    v_plain = torch.zeros_like(k_plain)
+    store_kv(k_src, v_src, k_plain, v_plain, torch.arange(24))
+    if not (torch.equal(k_plain.view(24, 2, 36), quantize_kv_rows(k_src))
+            and torch.equal(v_plain.view(24, 2, 36), quantize_kv_rows(v_src))):
+        raise RuntimeError("store_kv kernel wrote int8 K/V that differ from the KV contract's formula")
+    q = torch.randn(8, 6, 32, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[5, 1, 0, 3, 4], [2, 2, 2, 2, 2], [4, 3, 0, 1, 5]])
+    query_start, start_pos = torch.tensor([0, 1, 2, 8]), torch.tensor([8, 0, 13])  # two decodes, a 6-token chunk
+    order, groups = torch.arange(3), torch.tensor([0, 1, 3])
+    ref = paged_extend_attention(q.float(), dequantize_kv_rows(k_plain), dequantize_kv_rows(v_plain), tables, query_start,
+                                 torch.tensor([9, 1, 19]), 0.2)
+    k_paged, v_paged = torch.empty_like(k_plain), torch.empty_like(v_plain)
+    store_kv_paged(k_src, v_src, k_paged, v_paged, torch.arange(24))
+    out = paged_attention(q, k_paged, v_paged, tables, query_start, start_pos, order, groups, 0.2)
+    alone = paged_attention(q[5:6], k_paged, v_paged, tables[2:], torch.tensor([0, 1]), torch.tensor([16]),
+                            torch.tensor([0]), torch.tensor([0, 1]), 0.2)
+    if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) or not torch.equal(alone, out[5:6]):
+        raise RuntimeError("paged attention kernel gave wrong results over an int8 KV cache")
 
 
 def verify_paged_attention(paged_attention: Callable[..., torch.Tensor], store_kv_paged: Callable[..., None],

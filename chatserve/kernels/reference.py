@@ -5,6 +5,10 @@ Layout of one layer's cache (vLLM "flash" layout): ``[num_blocks, block_size,
 num_kv_heads, head_dim]``; a *slot* is ``block_id * block_size + offset``, so a
 token's K/V lives at ``cache.view(-1, num_kv_heads, head_dim)[slot]``.
 
+An int8 cache (``--kv-cache-dtype int8``) holds rows of ``head_dim + 4`` int8: each token's
+quants and its fp32 scale (kernels/kv_quant.py); the store quantizes, every read dequantizes
+(``read_kv``) right after the gather.
+
 Performance note for the CPU path: every layer of one forward pass attends over
 the same block tables, so the expensive index arithmetic (block table -> token
 slots, padding masks) is done once per forward by the caller and passed in as
@@ -18,6 +22,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from chatserve.kernels.kv_quant import quantize_kv_rows, read_kv
+
 
 def store_kv_cache(
     key: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -26,12 +32,15 @@ def store_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; -1 = do not store (padding)
 ) -> None:
-    """Write each new token's K/V into its slot. Slots of -1 are skipped."""
+    """Write each new token's K/V into its slot. Slots of -1 are skipped. An int8 cache (rows of
+    head_dim + 4) gets each row quantized with its own scale (kernels/kv_quant.py)."""
     k_flat = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
     v_flat = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if k_flat.dtype == torch.int8:
+        key, value = quantize_kv_rows(key), quantize_kv_rows(value)
     k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
     v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
 
@@ -77,8 +86,8 @@ def paged_decode_attention(
     if mask is None and batch > 1:
         positions = torch.arange(max_len, device=query.device)
         mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, max_len)
-    k = gather_blocks(k_cache, block_tables, max_len).to(query.dtype)
-    v = gather_blocks(v_cache, block_tables, max_len).to(query.dtype)
+    k = read_kv(gather_blocks(k_cache, block_tables, max_len), query.dtype)
+    v = read_kv(gather_blocks(v_cache, block_tables, max_len), query.dtype)
     num_kv_heads = k.shape[1]
     # NOTE: the query heads sharing a KV head are folded into rows ([B, KVH, rep, D]), so
     # grouped-query attention needs no copy of K/V per query head.
@@ -112,8 +121,8 @@ def paged_extend_attention(
         if num_new == 0:
             continue
         table = block_tables[i : i + 1, : -(-seq_len // block_size)]
-        k = gather_blocks(k_cache, table, seq_len).to(query.dtype)  # whole blocks: ~3x faster than per token
-        v = gather_blocks(v_cache, table, seq_len).to(query.dtype)
+        k = read_kv(gather_blocks(k_cache, table, seq_len), query.dtype)  # whole blocks: ~3x faster than per token
+        v = read_kv(gather_blocks(v_cache, table, seq_len), query.dtype)
         q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         gqa = num_heads != k.shape[1]
         out[q_start:q_end] = extend_attention_dense(q, k, v, seq_len - num_new, scale, gqa).squeeze(0).transpose(0, 1)
@@ -222,8 +231,8 @@ def _unfold_gqa(x: torch.Tensor, t: int, rep: int) -> torch.Tensor:
 def _prefix_part(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_slots: torch.Tensor, scale: float):
     num_kv_heads = k_cache.shape[-2]
     t, h, _ = query.shape
-    k = _gather(k_cache, prefix_slots.unsqueeze(0)).to(query.dtype)  # [1, KVH, P, D]
-    v = _gather(v_cache, prefix_slots.unsqueeze(0)).to(query.dtype)
+    k = read_kv(_gather(k_cache, prefix_slots.unsqueeze(0)), query.dtype)  # [1, KVH, P, D]
+    v = read_kv(_gather(v_cache, prefix_slots.unsqueeze(0)), query.dtype)
     out, lse = attention_lse(_fold_gqa(query, num_kv_heads), k, v, scale)
     rep = h // num_kv_heads
     return _unfold_gqa(out, t, rep), _unfold_gqa(lse, t, rep)
@@ -242,8 +251,8 @@ def cascade_decode_attention(
     num_kv_heads = k_cache.shape[-2]
     rep = num_heads // num_kv_heads
     o_p, lse_p = _prefix_part(query, k_cache, v_cache, prefix_slots, scale)
-    k = _gather(k_cache, suffix_slots).to(query.dtype)  # [B, KVH, Ls, D]
-    v = _gather(v_cache, suffix_slots).to(query.dtype)
+    k = read_kv(_gather(k_cache, suffix_slots), query.dtype)  # [B, KVH, Ls, D]
+    v = read_kv(_gather(v_cache, suffix_slots), query.dtype)
     q = query.reshape(batch, num_kv_heads, rep, head_dim)
     o_s, lse_s = attention_lse(q, k, v, scale, suffix_mask)
     return merge_attention_states(o_p, lse_p, o_s.reshape(batch, num_heads, head_dim), lse_s.reshape(batch, num_heads))
@@ -267,8 +276,8 @@ def cascade_extend_attention(
     start = 0
     for n, slots in zip(query_lens, suffix_slots):
         suffix_len = slots.shape[0]
-        k = _gather(k_cache, slots.unsqueeze(0)).to(query.dtype)
-        v = _gather(v_cache, slots.unsqueeze(0)).to(query.dtype)
+        k = read_kv(_gather(k_cache, slots.unsqueeze(0)), query.dtype)
+        v = read_kv(_gather(v_cache, slots.unsqueeze(0)), query.dtype)
         q = query[start : start + n]  # [n, H, D] -> rows ordered (token, rep)
         q = q.reshape(n, num_kv_heads, rep, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv_heads, n * rep, head_dim)
         first = suffix_len - n  # suffix index of this sequence's first new token
@@ -313,8 +322,8 @@ def paged_masked_attention(
     num_kv_heads, block_size = k_cache.shape[-2], k_cache.shape[1]
     rep = num_heads // num_kv_heads
     out = torch.empty_like(query)
-    k_flat = k_cache.reshape(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.reshape(-1, num_kv_heads, head_dim)
+    k_flat = k_cache.reshape(-1, num_kv_heads, k_cache.shape[-1])  # (head_dim, or head_dim + 4 in int8)
+    v_flat = v_cache.reshape(-1, num_kv_heads, v_cache.shape[-1])
     for i, table in enumerate(block_tables):
         q0, q1 = query_start[i], query_start[i + 1]
         n = q1 - q0
@@ -324,8 +333,8 @@ def paged_masked_attention(
         keys = torch.arange(first, last + 1, device=query.device)
         blocks = torch.tensor(table, dtype=torch.int64, device=query.device)
         slots = blocks[keys // block_size] * block_size + keys % block_size
-        k = k_flat[slots].to(query.dtype).transpose(0, 1)  # [KVH, L, D]
-        v = v_flat[slots].to(query.dtype).transpose(0, 1)
+        k = read_kv(k_flat[slots], query.dtype).transpose(0, 1)  # [KVH, L, D]
+        v = read_kv(v_flat[slots], query.dtype).transpose(0, 1)
         q = query[q0:q1].reshape(n, num_kv_heads, rep, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, n * rep, head_dim)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [KVH, n * rep, L]
         if softcap > 0:

@@ -38,6 +38,8 @@ class WorkerInfo:
     rope_identity: dict[str, Any] = field(default_factory=dict)
     # why parts of the forward pass are not batch-invariant (for the speculative decoding warning)
     non_invariant_fallbacks: tuple[str, ...] = ()
+    # the KV cache's element type ("bfloat16", "int8", ...); "" = the same as dtype
+    kv_cache_dtype: str = ""
 
 
 class KVBlockIO(Protocol):

@@ -12,6 +12,7 @@ import torch
 from chatserve.config import CacheConfig
 from chatserve.core.scheduler import ScheduledSeq
 from chatserve.forward_batch import build_forward_batch
+from chatserve.kernels.kv_quant import kv_row_width
 from chatserve.layers.ops import LayerOps
 from chatserve.layers.rotary import RotaryEmbedding
 from chatserve.models.config import ModelConfig
@@ -75,11 +76,14 @@ class ModelRunner:
         max_model_len: int,
         ops: LayerOps,
         weight_cache: WeightCacheConfig | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = model_config
         self.ops = ops
         self.attention_backend = ops.attention
         self.dtype = dtype
+        # the KV cache's element type: the model's dtype, or int8 (rows of head_dim + 4: kernels/kv_quant.py)
+        self.kv_cache_dtype = kv_cache_dtype if kv_cache_dtype is not None else dtype
         self.device = device
         self.block_size = cache_config.block_size
         t0 = time.perf_counter()
@@ -106,19 +110,20 @@ class ModelRunner:
         self.linear_impl = ops.linear.description
         self.load_seconds = time.perf_counter() - t0
 
-        self.pool = plan_kv_pool(model_config, cache_config, dtype)
+        self.pool = plan_kv_pool(model_config, cache_config, self.kv_cache_dtype)
         # NOTE: torch.empty, not zeros: pages are touched only as blocks are used, so
         # the resident memory grows with use and never past the budget. Each block is
         # zeroed on its first use (`_zero_fresh_blocks`), so no read ever sees garbage.
         self.kv_cache = torch.empty(
-            (model_config.num_layers, 2, self.pool.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim),
-            dtype=dtype,
+            (model_config.num_layers, 2, self.pool.num_blocks, self.block_size, model_config.num_kv_heads,
+             kv_row_width(model_config.head_dim, self.kv_cache_dtype)),
+            dtype=self.kv_cache_dtype,
             device=device,
         )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
             self.pool.num_blocks, self.block_size, self.pool.num_tokens,
-            self.pool.num_blocks * self.pool.bytes_per_block / 2**20, dtype,
+            self.pool.num_blocks * self.pool.bytes_per_block / 2**20, self.kv_cache_dtype,
         )
         self._block_ready = bytearray(self.pool.num_blocks)  # 1 once a block has been zeroed or copied into
         self.sampler = Sampler()
@@ -131,6 +136,7 @@ class ModelRunner:
             ops = self.ops
             self._info = WorkerInfo(
                 device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
+                kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
                 attention_backend=ops.attention.name, kernels=ops.describe(),
                 kernel_tier=ops.cpu.tier if ops.cpu is not None else None, linear_impl=str(self.linear_impl),
                 batch_invariant=ops.batch_invariant, load_seconds=self.load_seconds,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from chatserve.config import CacheConfig, EngineArgs, resolve_dtype
+from chatserve.config import CacheConfig, EngineArgs, resolve_dtype, resolve_kv_cache_dtype
 from chatserve.kernels.cpu import load_cpu_kernels
 from chatserve.layers.ops import select_layer_ops
 from chatserve.models.config import ModelConfig
@@ -30,6 +30,7 @@ class WorkerConfig:
 
     device: str = "auto"  # auto (CUDA when available, else CPU), cpu, cuda or cuda:N
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bf16 or int8 (config.resolve_kv_cache_dtype)
     attention_backend: str = "auto"
     cpu_kernels: bool = True
     cpu_kernel_tier: str = "auto"
@@ -43,7 +44,7 @@ class WorkerConfig:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> WorkerConfig:
         return cls(
-            device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+            device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
             cpu_kernels=args.cpu_kernels, cpu_kernel_tier=args.cpu_kernel_tier, max_cpu_tier=args.max_cpu_tier,
             amx=args.amx, kernel_build_dir=args.kernel_build_dir,
             quantization=args.quantization, num_threads=args.num_threads,
@@ -86,6 +87,7 @@ def build_model_runner(
 ) -> ModelRunner:
     """Place the worker (device, dtype), choose its layer ops, then build the model and its KV pool."""
     device, dtype = resolve_placement(config)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype, config.attention_backend)
     cfg = model_config
     # auto: Triton on CUDA, the torch path (with the C++ kernels where they apply) on the CPU
     ops = select_layer_ops(
@@ -96,4 +98,4 @@ def build_model_runner(
         kernel_build_dir=config.kernel_build_dir,
     )
     return ModelRunner(source, hf_config, cfg, cache_config, dtype, device, max_model_len=max_model_len, ops=ops,
-                       weight_cache=config.weight_cache)
+                       weight_cache=config.weight_cache, kv_cache_dtype=kv_dtype)

@@ -91,3 +91,33 @@ def test_explicit_dtypes_are_kept_and_unknown_ones_refused(monkeypatch):
     assert config.resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of"):
         config.resolve_dtype("float8", torch.device("cpu"))
+
+
+# ---- kv_cache_dtype: auto (the model's dtype), bf16, int8 (the CPU attention paths only) -------------
+@pytest.mark.parametrize(("name", "model", "expected"), [
+    ("auto", torch.bfloat16, torch.bfloat16),
+    ("auto", torch.float32, torch.float32),  # no kernel tier: float32 K/V
+    ("bf16", torch.bfloat16, torch.bfloat16),
+    ("int8", torch.bfloat16, torch.int8),
+    ("int8", torch.float32, torch.int8),  # quantized from the float32 values
+])
+def test_kv_cache_dtype_resolves_on_the_cpu(name, model, expected):
+    assert config.resolve_kv_cache_dtype(name, torch.device("cpu"), model) == expected
+
+
+def test_int8_kv_on_cuda_or_triton_is_a_start_up_error_naming_the_field():
+    """The Triton kernels read bf16 caches only: no GPU is needed to check the refusal."""
+    for device, backend in (("cuda", "auto"), ("cuda:1", "torch"), ("cpu", "triton")):
+        with pytest.raises(ValueError, match="kv_cache_dtype='int8'.*Triton"):
+            config.resolve_kv_cache_dtype("int8", torch.device(device), torch.bfloat16, backend)
+    assert config.resolve_kv_cache_dtype("auto", torch.device("cuda"), torch.float16, "triton") == torch.float16
+
+
+def test_bad_kv_cache_dtypes_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bf16, int8; got 'fp8'"):
+        config.EngineArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        config.resolve_kv_cache_dtype("q8_0", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache_dtype='bf16' needs a bfloat16 engine.*float32"):
+        config.resolve_kv_cache_dtype("bf16", torch.device("cpu"), torch.float32)
+    assert config.EngineArgs(kv_cache_dtype="int8").kv_cache_dtype == "int8"

@@ -15,7 +15,9 @@ compute threads against (1) at 1 (forced here; `make test` gives each worker one
 kernels, so the module runs at the host's own kernel tier and at the lowest one, AVX2 (issue 30: what
 an AVX2-only host runs, forced here), in `make test`, and at every tier between (AVX512-VNNI, AVX2 +
 AVX-VNNI) in `make test-all` (~40 s a tier). The other families' forward paths (Gemma, Phi-3, MoE):
-tests/engine/test_determinism_families.py. Without AVX2 the torch/oneDNN path is not batch-invariant and the
+tests/engine/test_determinism_families.py. The offline checks (1)-(4) run again with the 8-bit KV cache
+(`kv_cache_dtype="int8"`: per-token scales, so a prefix hit reads the same K/V as a cold run) at the
+host's tier in `make test` and at every other tier in `make test-all`. Without AVX2 the torch/oneDNN path is not batch-invariant and the
 module is skipped; a tier whose kernels fail to build or fail a self-check fails it.
 """
 
@@ -76,17 +78,33 @@ class LayoutSpy:
         return self._prepare(layout, device)
 
 
-@pytest.fixture(scope="module", params=ENGINE_TIER_PARAMS or ["none"])
-def tier(request) -> str:
-    if request.param == "none":
+# (tier, KV cache dtype): bf16 KV at each tier of ENGINE_TIER_PARAMS; int8 KV at the host's tier in `make
+# test`, at the others in `make test-all` only (slow)
+CASES = [pytest.param((p.values[0], "auto"), marks=p.marks, id=p.values[0]) for p in ENGINE_TIER_PARAMS]
+CASES += [pytest.param((t, "int8"), marks=() if t == KERNEL_TIERS[0] else pytest.mark.slow, id=f"{t}-kv_int8")
+          for t in KERNEL_TIERS]
+
+
+@pytest.fixture(scope="module", params=CASES or [("none", "auto")])
+def case(request) -> tuple[str, str]:
+    tier = request.param[0]
+    if tier == "none":
         pytest.skip("batch invariance needs the C++ kernels (a CPU with AVX2 or better); torch/oneDNN ops depend on the batch")
-    require_kernels(request.param)  # (a tier that fails to build or a self-check fails here, never skips)
+    require_kernels(tier)  # (a tier that fails to build or a self-check fails here, never skips)
     return request.param
 
 
 @pytest.fixture(scope="module")
-def llm(tier):
-    engine = LLM(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512, cpu_kernel_tier=tier)
+def tier(case) -> str:
+    return case[0]
+
+
+@pytest.fixture(scope="module")
+def llm(case):
+    tier, kv_cache_dtype = case
+    engine = LLM(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512, cpu_kernel_tier=tier,
+                 kv_cache_dtype=kv_cache_dtype)
+    assert engine.engine_info().kv_cache_dtype == ("int8" if kv_cache_dtype == "int8" else "bfloat16")
     ops = engine.engine.runner.ops
     assert "paged attention" in ops.describe() and ops.cpu is not None and ops.cpu.tier == tier
     assert ops.batch_invariant and engine.engine.stats()["batch_invariant"], ops.invariance()
@@ -176,7 +194,10 @@ def test_a_batch_mixed_with_long_chunked_prefills_agrees(llm, alone):
 
 # ---- (5) and (6): the HTTP server, streaming and not, with other chunk sizes -----------------------
 @pytest.fixture(scope="module")
-def server(llm, tier):
+def server(llm, case):
+    tier, kv_cache_dtype = case
+    if kv_cache_dtype != "auto":
+        pytest.skip("the HTTP path is the same code whatever the KV dtype; the 8-bit cache is checked offline above")
     # The HTTP path (chunking, SSE, detokenising per delta) is the same code on every tier; the tier's
     # arithmetic is what (1)-(4) check at each tier. So the server runs at the host's own tier only:
     # on an AVX512 host that spares two server starts and 32 requests (~70 s of the suite).

@@ -86,12 +86,13 @@ def cold(tiny):
     llm = LLM(str(tiny), block_size=BS, num_kv_blocks=64)
     cache: dict[tuple[int, str], tuple] = {}
 
-    def get(seed: int, dtype: str = "auto"):
-        if (seed, dtype) not in cache:
-            ref = llm if dtype == "auto" else LLM(str(tiny), block_size=BS, num_kv_blocks=64, dtype=dtype)
+    def get(seed: int, dtype: str = "auto", kv_cache_dtype: str = "auto"):
+        if (seed, dtype, kv_cache_dtype) not in cache:
+            ref = llm if (dtype, kv_cache_dtype) == ("auto", "auto") else LLM(
+                str(tiny), block_size=BS, num_kv_blocks=64, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
             assert ref.engine.reset_prefix_cache()
-            cache[(seed, dtype)] = _run(ref, _prompt(seed))[1]
-        return cache[(seed, dtype)]
+            cache[(seed, dtype, kv_cache_dtype)] = _run(ref, _prompt(seed))[1]
+        return cache[(seed, dtype, kv_cache_dtype)]
 
     return get
 
@@ -400,6 +401,60 @@ def test_tier_flags_are_checked() -> None:
         EngineArgs(kv_offload_redis_url="localhost:6379")
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineArgs(kv_offload_dir="/tmp/x", enable_prefix_caching=False)
+
+
+# ---- issue 56: 8-bit KV blocks go to the tiers as they are; a bf16 engine's blocks are never an int8 one's ----
+
+def test_int8_blocks_restart_from_disk_and_replicate_through_redis_bit_identical(tiny, tmp_path, engines, cold,
+                                                                                 redis9) -> None:
+    """An int8 engine writes its 8-bit blocks (quants and scales, head_dim + 4 bytes a row) through to
+    disk and Redis; a restarted engine (disk only) and a second replica (Redis only) load them and
+    answer as a cold int8 engine does, tokens and logprobs bit for bit."""
+    ids = _prompt(21)
+    want = cold(21, kv_cache_dtype="int8")
+    assert want != cold(21), "the 8-bit cache changes the logprobs at least (else this test tests nothing)"
+    first = _make(engines, tiny, kv_cache_dtype="int8", kv_offload_dir=str(tmp_path),
+                  kv_offload_policy="write_through", **redis9)
+    info = first.engine_info()
+    assert info.kv_cache_dtype == "int8"
+    assert info.kv_bytes_per_block == 2 * 2 * BS * 2 * (16 + 4)  # layers, K and V, slots, KV heads, head_dim + 4
+    assert first.engine.kv_tiering.fingerprint.kv_dtype == "int8"
+    out, got = _run(first, ids)
+    assert out.num_cached_tokens == 0 and got == want
+    assert first.engine.kv_tiering.store.flush()
+    first.engine.close()
+    engines.remove(first)
+    entry = next(p for p in tmp_path.rglob("*.kv"))
+    assert info.kv_bytes_per_block < entry.stat().st_size < info.kv_bytes_per_block + 512  # the 8-bit payload and a header
+
+    restarted = _make(engines, tiny, kv_cache_dtype="int8", kv_offload_dir=str(tmp_path))
+    out, got = _run(restarted, ids)
+    assert out.num_cached_tokens == _full_blocks(ids) == out.stats.num_disk_cached_tokens
+    assert got == want, "tokens and logprobs after an int8 disk load equal a cold int8 run's"
+    replica = _make(engines, tiny, kv_cache_dtype="int8", **redis9)
+    out, got = _run(replica, ids)
+    assert out.num_cached_tokens == _full_blocks(ids) == out.stats.num_redis_cached_tokens
+    assert got == want
+    _assert_idle_and_whole(replica)
+
+
+def test_a_bf16_writers_blocks_are_never_read_by_an_int8_reader(tiny, tmp_path, engines, cold) -> None:
+    """The KV dtype is in the fingerprint: other names, and an entry planted under the int8 engine's
+    names is refused as foreign (its payload would even have the wrong size); the reverse alike."""
+    ids = _prompt(22)
+    n = _full_blocks(ids) // BS
+    bf16 = _written_and_closed(engines, tiny, tmp_path / "kv", ids)
+    int8 = _make(engines, tiny, kv_cache_dtype="int8", kv_offload_dir=str(tmp_path / "kv"))
+    bt, it = bf16.engine.kv_tiering, int8.engine.kv_tiering
+    assert (bt.fingerprint.kv_dtype, it.fingerprint.kv_dtype) == ("", "int8") and bt.fp != it.fp
+    out, got = _run(int8, ids)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "absent"
+    assert got == cold(22, kv_cache_dtype="int8")
+    _plant(bt, it, ids, n)
+    assert int8.engine.reset_prefix_cache()
+    out, got = _run(int8, ids)
+    assert out.stats.num_disk_cached_tokens == 0 and out.stats.kv_tier_stop == "invalid:foreign"
+    assert got == cold(22, kv_cache_dtype="int8")
 
 
 # ---- issue 51: entries of another rope, other kernel sources or without the secret are refused ------

@@ -170,6 +170,19 @@ def test_quantization_flag(capsys):
     assert "--quantization" in err and "q4" in err and "gguf" in err
 
 
+def test_kv_cache_dtype_flag(capsys):
+    """`--kv-cache-dtype` (issue 56): auto/bf16/int8, default auto, in serve and the offline benchmarks."""
+    assert options_from_args(EngineArgs, _serve()).kv_cache_dtype == "auto"
+    assert options_from_args(EngineArgs, _serve("--kv-cache-dtype", "int8")).kv_cache_dtype == "int8"
+    assert options_from_args(EngineArgs, _serve(env={"CHATSERVE_KV_CACHE_DTYPE": "bf16"})).kv_cache_dtype == "bf16"
+    assert parse_args(["bench", "latency", "--kv-cache-dtype", "int8"], environ={}).kv_cache_dtype == "int8"
+    assert parse_args(["bench", "throughput", "--kv-cache-dtype", "int8"], environ={}).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        _serve("--kv-cache-dtype", "fp8")
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "fp8" in err and "int8" in err
+
+
 def test_the_cli_imports_no_torch_until_a_command_needs_it() -> None:
     """`chatserve bench serve` (an HTTP client) and every `--help` build their flags from EngineArgs
     and ServerSettings without importing torch, the engine or the app (~2.5 s of imports before)."""

@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -80,8 +81,8 @@ struct Item {
 struct Ctx {
   const uint16_t* q;  // bf16 bits
   int64_t q_row_stride;
-  const uint16_t* k;
-  const uint16_t* v;
+  const void* k;  // bf16 bits (uint16_t) or int8 quants with their scales (KV contract)
+  const void* v;
   uint16_t* out;
   const int64_t* tables;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size;
@@ -105,14 +106,33 @@ struct Scratch {
   alignas(64) float lv[kMaxItemRows * kTile];  // per row: the running sum of p, lane by lane
   alignas(64) float p[kChunk * kTile];         // the chunk's P, read back as broadcasts by the V step
   alignas(64) uint16_t kt[kMaxHeadDim * kTile];  // [D][16 keys]: a tile's K from blocks of < kLanes keys
+  alignas(64) float ks[kTile];                   // int8: the tile's K scales (key i in lane i), V scales
+  alignas(64) float vs[kTile];
   float m[kMaxItemRows];
 };
 
-// Where one tile's K and V are: dim d of keys v * kLanes .. at k[v] + d * k_stride; key i's V row at v[i].
+// The cache's element type: bf16 bits, or int8 quants (the KV contract: per token and head, an fp32
+// scale amax / 127, dequantized value q * scale). kRow: a (slot, head) row's elements in the cache
+// tensor's last dim; a block's head region holds block_size such rows in this kernel's layout:
+//   bf16: K [D][block_size], V [block_size][D];
+//   int8: K [D][block_size] quants then [block_size] fp32 scales; V [block_size][D] then the scales.
+template <typename E>
+constexpr bool kInt8 = std::is_same_v<E, int8_t>;
+template <typename E>
+constexpr int64_t row_elems(int64_t D) { return kInt8<E> ? D + 4 : D; }
+
+CS_INLINE float scale_at(const int8_t* p) { float f; std::memcpy(&f, p, sizeof f); return f; }
+
+// Where one tile's K and V are: dim d of keys v * kLanes .. at k[v] + d * k_stride; key i's V row at
+// v[i]. int8: key i's scales in lane i of ks / vs (into the block where a tile lies in one block,
+// else gathered into the thread's scratch).
+template <typename E>
 struct Tile {
-  const uint16_t* k[kTV];
+  const E* k[kTV];
   int64_t k_stride;
-  const uint16_t* v[kTile];
+  const E* v[kTile];
+  const float* ks;
+  const float* vs;
 };
 
 // The physical blocks a q-vector at `pos` reads for the tile at key0 (one, or 16 / block_size when
@@ -125,35 +145,59 @@ inline int tile_blocks(const Ctx& c, const int64_t* table, int64_t pos, int64_t 
   return n;
 }
 
-inline Tile locate_tile(const Ctx& c, const int64_t* blocks, int64_t key0, int64_t kv_head, uint16_t* kt) {
-  const int64_t bs = c.block_size, D = c.head_dim, head = bs * D, block = c.num_kv_heads * head;
+template <typename E>
+inline Tile<E> locate_tile(const Ctx& c, Scratch& st, const int64_t* blocks, int64_t key0, int64_t kv_head) {
+  const int64_t bs = c.block_size, D = c.head_dim, head = bs * row_elems<E>(D), block = c.num_kv_heads * head;
+  const E* kc = static_cast<const E*>(c.k);
+  const E* vc = static_cast<const E*>(c.v);
+  E* kt = reinterpret_cast<E*>(st.kt);
   // key i of the tile: its block's (K or V) head base, and its slot in the block
-  auto base = [&](const uint16_t* cache, int64_t i) { return cache + blocks[bs >= kTile ? 0 : i / bs] * block + kv_head * head; };
+  auto base = [&](const E* cache, int64_t i) { return cache + blocks[bs >= kTile ? 0 : i / bs] * block + kv_head * head; };
   auto slot = [&](int64_t i) { return (key0 + i) % bs; };
-  Tile t;
-  for (int i = 0; i < kTile; ++i) t.v[i] = base(c.v, i) + slot(i) * D;
+  Tile<E> t;
+  for (int i = 0; i < kTile; ++i) t.v[i] = base(vc, i) + slot(i) * D;
+  if constexpr (kInt8<E>) {
+    if (bs >= kTile) {  // the tile's scales are 16 consecutive floats of its block
+      t.ks = reinterpret_cast<const float*>(base(kc, 0) + D * bs) + slot(0);
+      t.vs = reinterpret_cast<const float*>(base(vc, 0) + D * bs) + slot(0);
+    } else {
+      for (int i = 0; i < kTile; ++i) {
+        st.ks[i] = scale_at(base(kc, i) + D * bs + slot(i) * 4);
+        st.vs[i] = scale_at(base(vc, i) + D * bs + slot(i) * 4);
+      }
+      t.ks = st.ks;
+      t.vs = st.vs;
+    }
+  } else {
+    t.ks = t.vs = nullptr;
+  }
   if (bs >= kLanes) {  // each vector of keys lies in one block
-    for (int v = 0; v < kTV; ++v) t.k[v] = base(c.k, v * kLanes) + slot(v * kLanes);
+    for (int v = 0; v < kTV; ++v) t.k[v] = base(kc, v * kLanes) + slot(v * kLanes);
     t.k_stride = bs;
     return t;
   }
   for (int64_t b = 0; b < kTile / bs; ++b) {  // smaller blocks: gather the tile's K lanes
-    const uint16_t* src = base(c.k, b * bs);
-    for (int64_t d = 0; d < D; ++d) std::memcpy(kt + d * kTile + b * bs, src + d * bs, bs * sizeof(uint16_t));
+    const E* src = base(kc, b * bs);
+    for (int64_t d = 0; d < D; ++d) std::memcpy(kt + d * kTile + b * bs, src + d * bs, bs * sizeof(E));
   }
   for (int v = 0; v < kTV; ++v) t.k[v] = kt + v * kLanes;
   t.k_stride = kTile;
   return t;
 }
 
+// kLanes keys' values of one dim widened exactly to fp32 (bf16 bits, or int8 quants before their scale)
+CS_INLINE VF load_keys(const uint16_t* p) { return cs::load_bf16(p); }
+CS_INLINE VF load_keys(const int8_t* p) { return cs::load_s8(p); }
+
 // Scores of N rows against the tile's keys: per row and vector, one FMA chain over d = 0..D-1.
-template <int N>
-CS_INLINE void tile_scores(const Tile& t, const float* const* q, int64_t D, VF (&s)[N][kTV]) {
+// int8: the sums of q . k_q, scaled per key later (softmax_pv).
+template <int N, typename E>
+CS_INLINE void tile_scores(const Tile<E>& t, const float* const* q, int64_t D, VF (&s)[N][kTV]) {
   _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n)
     _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[n][v] = cs::zero();
   for (int64_t d = 0; d < D; ++d) {
     VF k[kTV];
-    _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) k[v] = cs::load_bf16(t.k[v] + d * t.k_stride);
+    _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) k[v] = load_keys(t.k[v] + d * t.k_stride);
     _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
       const VF qd = cs::broadcast(q[n] + d);
       _Pragma("GCC unroll 2") for (int v = 0; v < kTV; ++v) s[n][v] = cs::fma(qd, k[v], s[n][v]);
@@ -165,9 +209,10 @@ CS_INLINE void tile_scores(const Tile& t, const float* const* q, int64_t D, VF (
 // then the tile's keys in order, acc += p_i * V_i. A group's dims are read as one vector of bf16
 // pairs and widened by a shift and an and (load_bf16_even_odd: no shuffle), so the row's
 // accumulators hold a group as [its even dims][its odd dims] (put back in order at the end). The
-// rows share every V load.
-template <int NR, int NG>
-CS_INLINE void pv_block(float* const* acc, const VF* corr, const float* p, const Tile& t, int64_t d) {
+// rows share every V load. int8: p arrives multiplied by each key's V scale; a group is two vectors of
+// kLanes quants widened in order (the accumulators hold the dims in order).
+template <int NR, int NG, typename E>
+CS_INLINE void pv_block(float* const* acc, const VF* corr, const float* p, const Tile<E>& t, int64_t d) {
   VF a[NR][2 * NG];
   _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r)
     _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NG; ++j) a[r][j] = cs::mul(cs::load(acc[r] + d + j * kLanes), corr[r]);
@@ -175,8 +220,13 @@ CS_INLINE void pv_block(float* const* acc, const VF* corr, const float* p, const
     VF w[NR];
     _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r) w[r] = cs::broadcast(p + r * kTile + i);
     _Pragma("GCC unroll 8") for (int g = 0; g < NG; ++g) {
-      VF even, odd;
-      cs::load_bf16_even_odd(t.v[i] + d + g * 2 * kLanes, even, odd);
+      VF even, odd;  // int8: the group's first and second kLanes dims
+      if constexpr (kInt8<E>) {
+        even = cs::load_s8(t.v[i] + d + g * 2 * kLanes);
+        odd = cs::load_s8(t.v[i] + d + g * 2 * kLanes + kLanes);
+      } else {
+        cs::load_bf16_even_odd(t.v[i] + d + g * 2 * kLanes, even, odd);
+      }
       _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r) {
         a[r][2 * g] = cs::fma(w[r], even, a[r][2 * g]);
         a[r][2 * g + 1] = cs::fma(w[r], odd, a[r][2 * g + 1]);
@@ -188,8 +238,8 @@ CS_INLINE void pv_block(float* const* acc, const VF* corr, const float* p, const
 }
 
 // Dims d.. of NR rows in blocks of NG groups, then NG / 2, ..., 1 (head_dim is a multiple of 32).
-template <int NR, int NG>
-CS_INLINE void pv_span(int64_t D, float* const* acc, const VF* corr, const float* p, const Tile& t, int64_t d) {
+template <int NR, int NG, typename E>
+CS_INLINE void pv_span(int64_t D, float* const* acc, const VF* corr, const float* p, const Tile<E>& t, int64_t d) {
   for (; d + NG * 2 * kLanes <= D; d += NG * 2 * kLanes) pv_block<NR, NG>(acc, corr, p, t, d);
   if constexpr (NG > 1) {
     if (d < D) pv_span<NR, NG / 2>(D, acc, corr, p, t, d);
@@ -198,17 +248,26 @@ CS_INLINE void pv_span(int64_t D, float* const* acc, const VF* corr, const float
 
 // Accumulators per pass: about half the registers (8 of AVX2's 16, 16 of AVX512's 32), so a
 // decode's lone row still has 8 independent chains.
-template <int NR>
-CS_INLINE void pv_rows(int64_t D, float* const* acc, const VF* corr, const float* p, const Tile& t) {
+template <int NR, typename E>
+CS_INLINE void pv_rows(int64_t D, float* const* acc, const VF* corr, const float* p, const Tile<E>& t) {
   constexpr int kAcc = kLanes == 8 ? 8 : 16, kGroups = kAcc / (2 * NR) > 1 ? kAcc / (2 * NR) : 1;
   pv_span<NR, kGroups>(D, acc, corr, p, t, 0);
 }
 
 // N rows take one online-softmax step over a tile whose scores s are computed (see the header).
-template <int N>
-CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][kTV], const QVec* qv, const int* rows,
+// int8: a score is (q . k_q) * (k_scale * scale); P's sum l takes p, the V step p * v_scale (0 for
+// masked keys, whose slots may hold any scale bits).
+template <int N, typename E>
+CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N][kTV], const QVec* qv, const int* rows,
                           int64_t key0) {
   const int64_t D = c.head_dim;
+  VF key_scale[kTV], v_scale[kTV];
+  if constexpr (kInt8<E>) {
+    for (int v = 0; v < kTV; ++v) {
+      key_scale[v] = cs::mul(cs::load(t.ks + v * kLanes), cs::set1(c.scale));
+      v_scale[v] = cs::load(t.vs + v * kLanes);
+    }
+  }
   // per row: scores scaled and masked past pos (partial tiles only: on a full tile the mask keeps
   // every lane, the same bits), the new running max, and m_old - m_new into lane n of one vector
   const VF scale = cs::set1(c.scale);
@@ -221,7 +280,7 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][k
     below[n] = static_cast<int>(qv[r].lo - key0);  // lanes before a sliding window's first key (< kTile)
     VF top = cs::set1(-INFINITY);
     for (int v = 0; v < kTV; ++v) {
-      s[n][v] = cs::mul(s[n][v], scale);
+      s[n][v] = cs::mul(s[n][v], kInt8<E> ? key_scale[v] : scale);
       if (c.softcap > 0.0f) s[n][v] = cs::mul(tanh(cs::div(s[n][v], cs::set1(c.softcap))), cs::set1(c.softcap));
       if (valid[n] < kTile) s[n][v] = cs::keep_first(s[n][v], valid[n] - v * kLanes, -INFINITY);
       if (below[n] > 0)
@@ -243,9 +302,17 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][k
     float* p = st.p + n * kTile;
     for (int v = 0; v < kTV; ++v) {
       VF e = cs::exp(cs::sub(s[n][v], cs::set1(m_new[n])));
-      if (valid[n] < kTile) e = cs::keep_first(e, valid[n] - v * kLanes, 0.0f);
-      if (below[n] > 0) e = cs::select_lt(cs::load(kLaneIndex + v * kLanes), cs::set1(static_cast<float>(below[n])), cs::zero(), e);
-      cs::store(p + v * kLanes, e);
+      VF w = kInt8<E> ? cs::mul(e, v_scale[v]) : e;  // the V step's weights
+      if (valid[n] < kTile) {
+        e = cs::keep_first(e, valid[n] - v * kLanes, 0.0f);
+        w = cs::keep_first(w, valid[n] - v * kLanes, 0.0f);
+      }
+      if (below[n] > 0) {
+        const VF lane = cs::load(kLaneIndex + v * kLanes), first = cs::set1(static_cast<float>(below[n]));
+        e = cs::select_lt(lane, first, cs::zero(), e);
+        w = cs::select_lt(lane, first, cs::zero(), w);
+      }
+      cs::store(p + v * kLanes, w);
       cs::store(lv + v * kLanes, cs::fma(cs::load(lv + v * kLanes), corr[n], e));
     }
     acc[n] = st.acc + r * D;
@@ -256,8 +323,8 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile& t, VF (&s)[N][k
 }
 
 // N rows reading the same tile: their scores (K read once for all), then their steps.
-template <int N>
-__attribute__((noinline)) void step(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int64_t key0) {
+template <int N, typename E>
+__attribute__((noinline)) void step(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, const int* rows, int64_t key0) {
   const float* q[N];
   for (int n = 0; n < N; ++n) q[n] = st.q + rows[n] * c.head_dim;
   VF s[N][kTV];
@@ -266,18 +333,20 @@ __attribute__((noinline)) void step(const Ctx& c, Scratch& st, const Tile& t, co
 }
 
 // n rows (n <= N) in one step of up to N rows
-template <int N = kChunk>
-void step_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int n, int64_t key0) {
+template <int N, typename E>
+void step_rows(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, const int* rows, int n, int64_t key0) {
   if constexpr (N > 1) {
-    if (n < N) return step_rows<N - 1>(c, st, t, qv, rows, n, key0);
+    if (n < N) return step_rows<N - 1, E>(c, st, t, qv, rows, n, key0);
   }
-  step<N>(c, st, t, qv, rows, key0);
+  step<N, E>(c, st, t, qv, rows, key0);
 }
 
-void run_rows(const Ctx& c, Scratch& st, const Tile& t, const QVec* qv, const int* rows, int n, int64_t key0) {
-  for (int i = 0; i < n; i += kChunk) step_rows(c, st, t, qv, rows + i, std::min(kChunk, n - i), key0);
+template <typename E>
+void run_rows(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, const int* rows, int n, int64_t key0) {
+  for (int i = 0; i < n; i += kChunk) step_rows<kChunk, E>(c, st, t, qv, rows + i, std::min(kChunk, n - i), key0);
 }
 
+template <typename E>
 void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_head) {
   const int64_t D = c.head_dim;
   int64_t max_pos = 0, min_lo = INT64_MAX;
@@ -292,7 +361,7 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
   }
   int rows[kMaxItemRows];
   int64_t cur[kTile], blocks[kTile];
-  Tile tile{};
+  Tile<E> tile{};
   const bool whole_blocks = c.block_size >= kTile;  // a tile lies in one block: same sequence, same tile
   // a row's tiles: those holding a key of lo..pos, in order (tile 16j covers keys 16j .. 16j + 15)
   for (int64_t key0 = min_lo / kTile * kTile; key0 <= max_pos; key0 += kTile) {
@@ -307,7 +376,7 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
           nrows = 0;
           ncur = nb;
           std::copy(blocks, blocks + nb, cur);
-          tile = locate_tile(c, cur, key0, kv_head, st.kt);
+          tile = locate_tile<E>(c, st, cur, key0, kv_head);
         }
         cur_seq = qv[r].seq;
       }
@@ -322,6 +391,10 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
     const float* acc = st.acc + r * D;
     uint16_t* o = c.out + (qv[r].t * c.num_heads + qv[r].head) * D;
     alignas(64) float row[kMaxHeadDim];
+    if constexpr (kInt8<E>) {
+      for (int64_t d = 0; d < D; d += kLanes) cs::store_bf16(o + d, cs::mul(cs::load(acc + d), inv));  // in order
+      continue;
+    }
     for (int64_t g = 0; g < D; g += 2 * kLanes)  // a group's [even dims][odd dims] back in order
       for (int i = 0; i < kLanes; ++i) {
         row[g + 2 * i] = acc[g + i];
@@ -334,17 +407,32 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
 const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* mutable_bits(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// The caches' element type: bf16 ([.., D]) or int8 ([.., D + 4]: a row's quants, then its fp32 scale).
+bool int8_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t head_dim) {
+  const auto kt = k_cache.scalar_type();
+  TORCH_CHECK((kt == at::kBFloat16 || kt == at::kChar) && v_cache.scalar_type() == kt,
+              "K/V caches must both be bf16 or both int8");
+  const bool int8 = kt == at::kChar;
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shape mismatch");
+  TORCH_CHECK(k_cache.size(3) == head_dim + (int8 ? 4 : 0),
+              int8 ? "an int8 cache's rows must be head_dim + 4 bytes (quants, then the fp32 scale)"
+                   : "K/V rows do not match the cache's heads");
+  return int8;
+}
+
 // k, v [T, KVH, D] rows (strided views allowed, heads contiguous) against caches [blocks, block_size, KVH, D]
-void check_store_args(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+// (bf16) or [blocks, block_size, KVH, D + 4] (int8); returns whether the caches are int8
+bool check_store_args(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       torch::Tensor& slot_mapping) {
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "shape mismatch");
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "K/V rows must be bf16");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "shape mismatch");
+  const bool int8 = int8_caches(k_cache, v_cache, k.size(2));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0),
               "slot_mapping must be int64 [T]");
-  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "K/V rows do not match the cache's heads");
+  TORCH_CHECK(k_cache.size(2) == k.size(1), "K/V rows do not match the cache's heads");
+  TORCH_CHECK(!int8 || (k.size(2) % kLanes == 0 && k.size(2) <= kMaxHeadDim),
+              "int8 caches need head_dim a multiple of ", kLanes, ", at most ", kMaxHeadDim);
   for (auto* t : {&k, &v})
     if (t->stride(2) != 1 || t->stride(1) != t->size(2)) *t = t->contiguous();
   slot_mapping = slot_mapping.contiguous();
@@ -352,6 +440,27 @@ void check_store_args(torch::Tensor& k, torch::Tensor& v, const torch::Tensor& k
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot ", slots[t], " outside the KV pool");
+  return int8;
+}
+
+// One row (a token's one KV head, D bf16 values) quantized as the KV contract says, bit-exact with
+// the torch reference: scale = amax / 127 (fp32 division), q = clamp(round_half_even(x / scale), -127,
+// 127) (fp32 division; the clamp before the rounding gives the same integers), all 0 where scale is 0.
+// The D quants go to q[0..D) (D a multiple of kLanes); returns the scale.
+float quantize_row(const uint16_t* x, int64_t D, int8_t* q) {
+  VF top = cs::zero();
+  for (int64_t d = 0; d < D; d += kLanes) top = cs::max(top, cs::abs(cs::load_bf16(x + d)));
+  const float scale = cs::hmax(top) / 127.0f;  // max is exact in any order
+  if (scale == 0.0f) {
+    std::memset(q, 0, D);
+    return scale;
+  }
+  const VF s = cs::set1(scale), lo = cs::set1(-127.0f), hi = cs::set1(127.0f);
+  for (int64_t d = 0; d < D; d += kLanes) {
+    const VF y = cs::min(cs::max(cs::div(cs::load_bf16(x + d), s), lo), hi);
+    cs::store_i8(q + d, cs::to_int_rne(cs::round_nearest(y)));
+  }
+  return scale;
 }
 
 }  // namespace
@@ -369,15 +478,15 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
                                    torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos,
                                    torch::Tensor seq_order, torch::Tensor group_start, double scale,
                                    int64_t window, double softcap) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q must be bf16");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "shape mismatch");
+  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
+  const bool int8 = int8_caches(k_cache, v_cache, q.size(2));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   for (const auto* t : {&block_tables, &query_start, &start_pos, &seq_order, &group_start})
     TORCH_CHECK(t->scalar_type() == at::kLong, "block tables, query_start, start_pos and groups must be int64");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), bs = k_cache.size(1), NB = k_cache.size(0);
-  TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 32, at most 256");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(bs >= 2 && (bs % kTile == 0 || kTile % bs == 0), "block_size must be 2, 4, 8 or a multiple of 16");
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
@@ -455,8 +564,8 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  const Ctx ctx{bits(q), q.stride(0), bits(k_cache), bits(v_cache), mutable_bits(out), tb, max_blocks, H, KVH, D, bs,
-                static_cast<float>(scale), static_cast<float>(softcap)};
+  const Ctx ctx{bits(q), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), mutable_bits(out), tb, max_blocks, H, KVH,
+                D, bs, static_cast<float>(scale), static_cast<float>(softcap)};
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -473,23 +582,50 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
         local[r] = list[it.begin + r];
         local[r].head += it.kv_head * rep;
       }
-      run_item(ctx, *st, local, n, it.kv_head);
+      if (int8)
+        run_item<int8_t>(ctx, *st, local, n, it.kv_head);
+      else
+        run_item<uint16_t>(ctx, *st, local, n, it.kv_head);
     }
   });
   return out;
 }
 
-// Each new token's K and V into its slot, in paged_attention_bf16's layout within each block: K as
-// [KVH][D][block_size] (a key's dims block_size apart), V as [KVH][block_size][D] (a key's row).
-// k, v [T, KVH, D] may be views into the fused qkv projection (rows strided, heads contiguous).
+// Each new token's K and V into its slot, in paged_attention_bf16's layout within each block (a
+// block's head region): bf16 K as [D][block_size] (a key's dims block_size apart), V as
+// [block_size][D] (a key's row); int8 (the caches' dtype says which) the same for the quants, each
+// followed by the region's [block_size] fp32 scales. k, v [T, KVH, D] may be views into the fused qkv
+// projection (rows strided, heads contiguous).
 void store_kv_paged_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                          torch::Tensor slot_mapping) {
-  check_store_args(k, v, k_cache, v_cache, slot_mapping);
-  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(1), block = bs * KVH * D;
+  const bool int8 = check_store_args(k, v, k_cache, v_cache, slot_mapping);
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const uint16_t *kp = bits(k), *vp = bits(v);
-  uint16_t *kc = mutable_bits(k_cache), *vc = mutable_bits(v_cache);
   const int64_t ks = k.stride(0), vs = v.stride(0);
+  if (int8) {
+    const int64_t head = bs * (D + 4), block = KVH * head;
+    int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      alignas(64) int8_t row[kMaxHeadDim];
+      for (int64_t t = t0; t < t1; ++t) {
+        if (slots[t] < 0) continue;
+        const int64_t b = slots[t] / bs, o = slots[t] % bs;
+        for (int64_t h = 0; h < KVH; ++h) {
+          int8_t* kh = kc + b * block + h * head;
+          const float kscale = quantize_row(kp + t * ks + h * D, D, row);
+          for (int64_t d = 0; d < D; ++d) kh[d * bs + o] = row[d];
+          std::memcpy(kh + D * bs + o * 4, &kscale, 4);
+          int8_t* vh = vc + b * block + h * head;
+          const float vscale = quantize_row(vp + t * vs + h * D, D, vh + o * D);
+          std::memcpy(vh + D * bs + o * 4, &vscale, 4);
+        }
+      }
+    });
+    return;
+  }
+  const int64_t block = bs * KVH * D;
+  uint16_t *kc = mutable_bits(k_cache), *vc = mutable_bits(v_cache);
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (slots[t] < 0) continue;
@@ -504,17 +640,34 @@ void store_kv_paged_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache
   });
 }
 
-// Each new token's K and V rows into its slot of plain [blocks, block_size, KVH, D] caches (slot -1:
-// skip); k, v [T, KVH, D] may be strided views. Why: torch's index_copy_ on those views cost ~100 us
-// a layer at decode batch 32; this is a few row copies.
+// Each new token's K and V rows into its slot of plain caches (slot -1: skip): bf16
+// [blocks, block_size, KVH, D] rows copied, or int8 [blocks, block_size, KVH, D + 4] rows quantized
+// (the KV contract's reference layout: D quants, then the row's fp32 scale). k, v [T, KVH, D] may be
+// strided views. Why: torch's index_copy_ on those views cost ~100 us a layer at decode batch 32;
+// this is a few row copies.
 void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slot_mapping) {
-  check_store_args(k, v, k_cache, v_cache, slot_mapping);
-  const int64_t T = k.size(0), width = k.size(1) * k.size(2);
+  const bool int8 = check_store_args(k, v, k_cache, v_cache, slot_mapping);
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), width = KVH * D;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const uint16_t *kp = bits(k), *vp = bits(v);
-  uint16_t *kc = mutable_bits(k_cache), *vc = mutable_bits(v_cache);
   const int64_t ks = k.stride(0), vs = v.stride(0);
+  if (int8) {
+    int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      if (slots[t] < 0) continue;
+      for (int64_t h = 0; h < KVH; ++h) {
+        int8_t* kr = kc + (slots[t] * KVH + h) * (D + 4);
+        int8_t* vr = vc + (slots[t] * KVH + h) * (D + 4);
+        const float kscale = quantize_row(kp + t * ks + h * D, D, kr);
+        const float vscale = quantize_row(vp + t * vs + h * D, D, vr);
+        std::memcpy(kr + D, &kscale, 4);
+        std::memcpy(vr + D, &vscale, 4);
+      }
+    }
+    return;
+  }
+  uint16_t *kc = mutable_bits(k_cache), *vc = mutable_bits(v_cache);
   for (int64_t t = 0; t < T; ++t) {
     if (slots[t] < 0) continue;
     std::memcpy(kc + slots[t] * width, kp + t * ks, width * sizeof(uint16_t));
@@ -526,7 +679,7 @@ void store_kv_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
 inline void register_attention(py::module& m) {
   m.def("store_kv_bf16", &store_kv_bf16, "new tokens' K/V rows into their paged-cache slots");
   m.def("store_kv_paged_bf16", &store_kv_paged_bf16, "new tokens' K/V into their slots, in paged_attention_bf16's layout");
-  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 paged KV cache",
+  m.def("paged_attention_bf16", &paged_attention_bf16, "prefill, extend and decode attention over a bf16 or int8 paged KV cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("start_pos"), py::arg("seq_order"), py::arg("group_start"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0);

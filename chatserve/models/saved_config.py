@@ -5,7 +5,10 @@ Why: `saved_metadata_config` builds the config of a GGUF metadata folder through
 engine reads of that config is its attributes, which are its `to_dict()`: the first start that
 builds it through transformers saves that dict (`chatserve-config.json`, every value, the base
 class's defaults included), and later starts read it into a `SavedConfig`, an object whose
-attributes are the dict's entries (nested configs such as `text_config` as `SavedConfig` too).
+attributes are the dict's entries (a nested config stays the dict it is on transformers' object, which
+is built by the base `PreTrainedConfig` class). Scaled rope is computed by transformers' functions,
+which call the config's methods: layers/rotary.py hands them `to_transformers()`, transformers' own
+object of the same folder (importing transformers for those models only).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from typing import Any
 CONFIG_FILE = "chatserve-config.json"
 # Bumped when what the file holds changes: an older file is written again.
 CONFIG_FORMAT = 1
-_NESTED_CONFIGS = ("text_config", "vision_config")
 
 
 def save_config_facts(config: Any, folder: str | os.PathLike) -> bool:
@@ -55,8 +57,6 @@ class SavedConfig:
 
     def __init__(self, values: dict[str, Any]) -> None:
         for key, value in values.items():
-            if key in _NESTED_CONFIGS and isinstance(value, dict):
-                value = SavedConfig(value)
             setattr(self, key, value)
 
     @property
@@ -64,11 +64,14 @@ class SavedConfig:
         return str(getattr(self, "_name_or_path", ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (v.to_dict() if isinstance(v, SavedConfig) else copy.deepcopy(v)) for k, v in vars(self).items()}
+        return copy.deepcopy(vars(self))
 
-    def get_text_config(self, *_: Any, **__: Any) -> SavedConfig:
-        text = getattr(self, "text_config", None)
-        return text if isinstance(text, SavedConfig) else self
+    def to_transformers(self) -> Any:
+        """transformers' config of the same metadata folder (`loader.saved_metadata_config`): what a
+        start without the saved dict returns."""
+        from chatserve.models.loader import saved_metadata_config
+
+        return saved_metadata_config(self.name_or_path)
 
     def __repr__(self) -> str:
         return f"SavedConfig({getattr(self, 'model_type', '')!r}, {self.name_or_path!r})"

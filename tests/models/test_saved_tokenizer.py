@@ -263,3 +263,30 @@ def test_a_prefetched_tokenizer_is_the_one_load_tokenizer_returns(tmp_path, defa
     assert again is not taken
     _, hf = pair
     assert taken.encode(TEXTS[3]) == again.encode(TEXTS[3]) == hf.encode(TEXTS[3])
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+                                  {"rope_type": "default"}])
+def test_rope_of_a_saved_config_equals_transformers_config(tmp_path, default_gguf, rope) -> None:
+    """Scaled rope of a config read back without transformers (a GGUF family that scales: Gemma 3's linear,
+    Phi-3's longrope) is transformers' computation on its own config of the same folder."""
+    import shutil
+
+    import torch
+
+    from chatserve.layers.rotary import rope_inv_freq
+    from chatserve.models.loader import saved_metadata_config, warm_metadata_config
+
+    folder = tmp_path / "meta"
+    shutil.copytree(gguf_metadata_folder(resolve_model(default_gguf, tmp_path / "cache")), folder)
+    (folder / "chatserve-config.json").unlink(missing_ok=True)
+    values = json.loads((folder / "config.json").read_text())
+    values["rope_parameters"] = {**values["rope_parameters"], **rope}
+    (folder / "config.json").write_text(json.dumps(values))
+    warm_metadata_config(str(folder))  # (saves it)
+    saved = warm_metadata_config(str(folder))
+    assert isinstance(saved, SavedConfig)
+    got, got_scale = rope_inv_freq(saved, 64, max_positions=8192)
+    want, want_scale = rope_inv_freq(saved_metadata_config(str(folder)), 64, max_positions=8192)
+    assert torch.equal(got, want) and got_scale == want_scale

@@ -83,8 +83,20 @@ def first_token_seconds(port: int, t0: float, deadline: float) -> float:
             conn.close()
 
 
-def one_start(args: argparse.Namespace, checkout: Path, cache_dir: str, python_flags: list[str]) -> tuple[float, str]:
-    """(seconds to the first token, the server's stderr) of one fresh `chatserve serve`."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far, all its threads (/proc/PID/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def one_start(args: argparse.Namespace, checkout: Path, cache_dir: str, python_flags: list[str]) -> tuple[float, float, str]:
+    """(seconds to the first token, the server's CPU seconds by then, its stderr) of one fresh `chatserve serve`.
+
+    The CPU seconds are the less load-sensitive number on a shared machine: what the start costs the
+    server's threads, without the time it waited for a core."""
     port = free_port()
     cmd = [sys.executable, *python_flags, "-m", "chatserve", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "512", "--num-kv-blocks", "64"]
@@ -99,6 +111,7 @@ def one_start(args: argparse.Namespace, checkout: Path, cache_dir: str, python_f
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=checkout)
         try:
             seconds = first_token_seconds(port, t0, t0 + args.timeout)
+            cpu = cpu_seconds(proc.pid)
         finally:
             proc.terminate()
             try:
@@ -107,7 +120,7 @@ def one_start(args: argparse.Namespace, checkout: Path, cache_dir: str, python_f
                 proc.kill()
                 proc.wait()
         err.seek(0)
-        return seconds, err.read().decode(errors="replace")
+        return seconds, cpu, err.read().decode(errors="replace")
 
 
 def torch_import_seconds() -> float:
@@ -147,17 +160,18 @@ def main() -> int:
         caches = {c: (os.path.join(args.cache_dir, f"checkout-{i}") if args.cache_dir and len(checkouts) > 1
                       else args.cache_dir or os.path.join(tmp, f"checkout-{i}")) for i, c in enumerate(checkouts)}
         for c in checkouts:
-            first, _ = one_start(args, c, caches[c], [])
-            results[str(c)] = {"first_s": first, "warm_s": []}
+            first, _, _ = one_start(args, c, caches[c], [])
+            results[str(c)] = {"first_s": first, "warm_s": [], "warm_cpu_s": []}
             print(f"{c}: first start (fills the caches): {first:.3f} s", flush=True)
         for i in range(args.starts):
             for c in checkouts:
-                seconds, _ = one_start(args, c, caches[c], [])
+                seconds, cpu, _ = one_start(args, c, caches[c], [])
                 results[str(c)]["warm_s"].append(seconds)
-                print(f"{c}: warm start {i + 1}: {seconds:.3f} s", flush=True)
+                results[str(c)]["warm_cpu_s"].append(cpu)
+                print(f"{c}: warm start {i + 1}: {seconds:.3f} s ({cpu:.2f} CPU s)", flush=True)
         for c in checkouts:
             if args.importtime:
-                _, log = one_start(args, c, caches[c], ["-X", "importtime"])
+                _, _, log = one_start(args, c, caches[c], ["-X", "importtime"])
                 results[str(c)]["imports"] = top_imports(log, args.importtime)
                 results[str(c)]["transformers_imported"] = bool(re.search(r"\|\s*transformers$", log, re.M))
     torch_s = torch_import_seconds()
@@ -166,8 +180,10 @@ def main() -> int:
     for c, r in results.items():
         warm = r["warm_s"]
         r["median_s"] = statistics.median(warm) if warm else None
+        r["median_cpu_s"] = statistics.median(r["warm_cpu_s"]) if warm else None
         print(f"{c}: warm start to first streamed token: median {r['median_s']:.3f} s of {len(warm)} "
-              f"({', '.join(f'{s:.3f}' for s in warm)})" if warm else f"{c}: no warm start")
+              f"({', '.join(f'{s:.3f}' for s in warm)}); the server's CPU by then: median {r['median_cpu_s']:.2f} s"
+              if warm else f"{c}: no warm start")
         if r.get("imports"):
             print("  slowest top-level imports of a warm start (cumulative, -X importtime, its overhead included):")
             for name, s in r["imports"]:

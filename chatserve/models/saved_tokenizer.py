@@ -32,7 +32,7 @@ from chatserve.models import chat_template as _tpl
 BACKEND_FILE = "chatserve-tokenizer.json"
 FACTS_FILE = "chatserve-tokenizer-facts.json"
 # Bumped when what the facts file holds changes: an older file is written again.
-FACTS_FORMAT = 1
+FACTS_FORMAT = 2
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -48,20 +48,17 @@ def save_tokenizer_facts(hf_tokenizer: Any, folder: str | os.PathLike) -> bool:
     # transformers 5 never cleans up a BPE tokenizer's text (unless told to corrupt it)
     cleanup_allowed = not model_is_bpe or bool(getattr(
         hf_tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
-    special_map = hf_tokenizer.special_tokens_map
     facts = {
         "format": FACTS_FORMAT,
-        "special_tokens_map": {k: (v if isinstance(v, str) else [str(t) for t in v]) for k, v in special_map.items()},
-        "special_token_ids": {name: getattr(hf_tokenizer, f"{name}_id", None) for name in _SPECIAL_NAMES},
-        "all_special_tokens": list(hf_tokenizer.all_special_tokens),
-        "all_special_ids": [int(i) for i in hf_tokenizer.all_special_ids],
+        "special_attributes": list(getattr(hf_tokenizer, "SPECIAL_TOKENS_ATTRIBUTES", _SPECIAL_NAMES)),
+        "special_tokens_map": {k: str(v) for k, v in hf_tokenizer.special_tokens_map.items()},
+        "extra_special_tokens": [str(t) for t in getattr(hf_tokenizer, "extra_special_tokens", None) or []],
         "chat_template": hf_tokenizer.chat_template,
         "clean_up_tokenization_spaces": bool(hf_tokenizer.clean_up_tokenization_spaces),
         "clean_up_allowed": cleanup_allowed,
         "split_special_tokens": bool(getattr(hf_tokenizer, "split_special_tokens", False)),
         "model_max_length": int(min(hf_tokenizer.model_max_length, 2**62)),
         "vocab_size": int(hf_tokenizer.vocab_size),
-        "len": len(hf_tokenizer),
     }
     folder = Path(folder)
     try:
@@ -109,11 +106,9 @@ class SavedTokenizer:
         self._clean_up_allowed = bool(facts.get("clean_up_allowed", False))
         self.model_max_length = int(facts.get("model_max_length", 0))
         self.vocab_size = int(facts["vocab_size"])
-        self._len = int(facts["len"])
-        self._special_map: dict[str, Any] = dict(facts["special_tokens_map"])
-        self._special_ids: dict[str, int | None] = dict(facts["special_token_ids"])
-        self.all_special_tokens: list[str] = list(facts["all_special_tokens"])
-        self.all_special_ids: list[int] = list(facts["all_special_ids"])
+        self._special_attributes: list[str] = list(facts["special_attributes"])
+        self._special_map: dict[str, str] = dict(facts["special_tokens_map"])  # named: bos_token, eos_token, ...
+        self.extra_special_tokens: list[str] = list(facts["extra_special_tokens"])
         self._hf: Any = None
         self._hf_lock = threading.Lock()
 
@@ -126,16 +121,70 @@ class SavedTokenizer:
     # ------------------------------------------------------------------ special tokens
 
     @property
-    def special_tokens_map(self) -> dict[str, Any]:
-        return dict(self._special_map)
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens (bos_token, eos_token, ...) that are set, as transformers 5 lists them."""
+        return {a: self._special_map[a] for a in self._special_attributes if self._special_map.get(a) is not None}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """Named special tokens, then the extra ones, each once (transformers' order)."""
+        return list(dict.fromkeys([*self.special_tokens_map.values(), *self.extra_special_tokens]))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return self.convert_tokens_to_ids(self.all_special_tokens)
 
     def __getattr__(self, name: str) -> Any:
         # bos_token / bos_token_id / eos_token / ... as transformers names them (None where unset)
-        if name in _SPECIAL_NAMES:
-            return self._special_map.get(name)
-        if name.endswith("_id") and name[:-3] in _SPECIAL_NAMES:
-            return self._special_ids.get(name[:-3])
+        attributes = self.__dict__.get("_special_attributes", ())
+        if name in attributes or name in _SPECIAL_NAMES:
+            return self.__dict__["_special_map"].get(name)
+        if name.endswith("_id") and (name[:-3] in attributes or name[:-3] in _SPECIAL_NAMES):
+            token = self.__dict__["_special_map"].get(name[:-3])
+            return None if token is None else self.convert_tokens_to_ids(token)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def add_tokens(self, new_tokens: str | AddedToken | Sequence[str | AddedToken], special_tokens: bool = False) -> int:
+        """Add tokens to the backend (not split, never merged), as transformers' `add_tokens`; the number added."""
+        tokens = [new_tokens] if isinstance(new_tokens, (str, AddedToken)) else list(new_tokens)
+        if special_tokens:
+            return self._backend.add_special_tokens(tokens)
+        return self._backend.add_tokens(tokens)
+
+    def add_special_tokens(self, special_tokens_dict: dict[str, Any], replace_extra_special_tokens: bool = True) -> int:
+        """transformers' `add_special_tokens`: named ones set (bos_token, ...), extra ones listed, all added special."""
+        values = dict(special_tokens_dict)
+        if "additional_special_tokens" in values:
+            values["extra_special_tokens"] = values.pop("additional_special_tokens")
+        to_add: list[AddedToken] = []
+        for key, value in values.items():
+            if key == "extra_special_tokens":
+                new = [AddedToken(t, rstrip=False, lstrip=False, normalized=False, special=True) if isinstance(t, str)
+                       else t for t in value if replace_extra_special_tokens or str(t) not in self.extra_special_tokens]
+                if replace_extra_special_tokens and new:
+                    self.extra_special_tokens = [str(t) for t in new]
+                else:
+                    self.extra_special_tokens += [str(t) for t in new]
+                to_add += new
+            elif key in self._special_attributes:
+                token = AddedToken(value, rstrip=False, lstrip=False, normalized=False, special=True) if isinstance(
+                    value, str) else value
+                self._special_map[key] = str(token)
+                to_add.append(token)
+            else:
+                raise ValueError(f"Key {key} is not a valid special token. Valid keys are: "
+                                 f"{[*self._special_attributes, 'extra_special_tokens']}")
+        return self.add_tokens(to_add, special_tokens=True)
+
+    def __deepcopy__(self, memo: dict) -> SavedTokenizer:
+        """A copy with its own backend (added tokens, chat template), as a copied transformers tokenizer."""
+        import copy
+
+        facts = {**copy.deepcopy(self._facts), "special_tokens_map": dict(self._special_map),
+                 "extra_special_tokens": list(self.extra_special_tokens), "chat_template": copy.deepcopy(self.chat_template)}
+        other = SavedTokenizer(Tokenizer.from_str(self._backend.to_str()), facts, self.name_or_path)
+        other.clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        return other
 
     @property
     def backend_tokenizer(self) -> Tokenizer:
@@ -149,7 +198,7 @@ class SavedTokenizer:
         return self._backend.get_vocab(with_added_tokens=True)
 
     def __len__(self) -> int:
-        return self._len
+        return self._backend.get_vocab_size(with_added_tokens=True)
 
     # ------------------------------------------------------------------ ids and text
 
@@ -158,12 +207,18 @@ class SavedTokenizer:
             raise ValueError(f"text input must be of type `str`, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **_: Any) -> dict[str, Any]:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, return_offsets_mapping: bool = False,
+                 **_: Any) -> Encoding:
+        """`input_ids` and `attention_mask` (and `offset_mapping`: each token's (start, end) characters in
+        the text), keys and attributes, for one text or a list, as transformers' call returns them."""
+        texts = [text] if isinstance(text, str) else list(text)
+        encodings = [self._backend.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+        out = Encoding(input_ids=[e.ids for e in encodings], attention_mask=[e.attention_mask for e in encodings])
+        if return_offsets_mapping:
+            out["offset_mapping"] = [[tuple(o) for o in e.offsets] for e in encodings]
         if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        encs = [self.encode(t, add_special_tokens) for t in text]
-        return {"input_ids": encs, "attention_mask": [[1] * len(e) for e in encs]}
+            out = Encoding({k: v[0] for k, v in out.items()})
+        return out
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).tokens
@@ -192,10 +247,12 @@ class SavedTokenizer:
         return [self._backend.id_to_token(int(i)) for i in ids if int(i) not in skip]
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
-        unk = self._special_ids.get("unk_token")
         if isinstance(tokens, str):
             found = self._backend.token_to_id(tokens)
-            return unk if found is None else found
+            if found is not None:
+                return found
+            unk = self._special_map.get("unk_token")
+            return None if unk is None else self._backend.token_to_id(unk)
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
@@ -283,7 +340,17 @@ class SavedTokenizer:
         return self.hf_tokenizer.save_pretrained(folder, **kwargs)
 
     def __repr__(self) -> str:
-        return f"SavedTokenizer(name_or_path={self.name_or_path!r}, vocab_size={self.vocab_size}, len={self._len})"
+        return f"SavedTokenizer(name_or_path={self.__dict__.get('name_or_path')!r}, vocab_size={self.__dict__.get('vocab_size')})"
+
+
+class Encoding(dict):
+    """What a call of the tokenizer returns: a dict whose keys are attributes too (`enc.input_ids`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 _HF_ONLY_OPTIONS = frozenset({"return_assistant_tokens_mask", "sanitize_control_tokens", "padding", "truncation",

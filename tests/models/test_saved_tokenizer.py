@@ -290,3 +290,33 @@ def test_rope_of_a_saved_config_equals_transformers_config(tmp_path, default_ggu
     got, got_scale = rope_inv_freq(saved, 64, max_positions=8192)
     want, want_scale = rope_inv_freq(saved_metadata_config(str(folder)), 64, max_positions=8192)
     assert torch.equal(got, want) and got_scale == want_scale
+
+
+def test_calls_copies_and_added_special_tokens_behave_as_transformers(pair) -> None:
+    """What the servers and tests do with a tokenizer besides encode/decode: call it with offsets (the
+    Anthropic prompt), deep-copy it and add special tokens to the copy (FIM markers), set its template."""
+    import copy
+
+    saved, hf = pair
+    for text in (TEXTS[3], "plain words"):
+        got, want = saved(text, add_special_tokens=False, return_offsets_mapping=True), hf(
+            text, add_special_tokens=False, return_offsets_mapping=True)
+        assert got.input_ids == want.input_ids and got["offset_mapping"] == list(want["offset_mapping"])
+    assert saved([TEXTS[1], TEXTS[2]])["input_ids"] == hf([TEXTS[1], TEXTS[2]])["input_ids"]
+    s2, h2 = copy.deepcopy(saved), copy.deepcopy(hf)
+    markers = ["<fim_prefix_x>", "<fim_middle_x>", "<fim_suffix_x>"]
+    assert s2.add_special_tokens({"additional_special_tokens": markers}) == h2.add_special_tokens(
+        {"additional_special_tokens": markers}) == 3
+    assert s2.add_special_tokens({"pad_token": "<pad_x>"}) == h2.add_special_tokens({"pad_token": "<pad_x>"})
+    assert s2.add_tokens(["<plain_x>"]) == h2.add_tokens(["<plain_x>"])
+    text = "a<fim_prefix_x>b <pad_x> <plain_x>c"
+    assert s2.encode(text) == h2.encode(text) and len(s2) == len(h2)
+    ids = s2.encode(text)
+    assert s2.decode(ids, skip_special_tokens=True) == h2.decode(ids, skip_special_tokens=True)
+    assert s2.convert_tokens_to_ids(markers) == h2.convert_tokens_to_ids(markers)
+    assert (s2.all_special_ids, s2.all_special_tokens, s2.pad_token_id, s2.special_tokens_map) == (
+        h2.all_special_ids, h2.all_special_tokens, h2.pad_token_id, h2.special_tokens_map)
+    s2.chat_template = "{{ messages[0].content }}!"
+    assert s2.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "x!"
+    # the original is untouched
+    assert saved.encode(text) == hf.encode(text) and len(saved) == len(hf) and saved.chat_template == hf.chat_template

@@ -321,7 +321,7 @@ class SavedTokenizer:
         out: Any = ids if batched else ids[0]
         if return_dict:
             mask = [[1] * len(i) for i in ids]
-            return {"input_ids": out, "attention_mask": mask if batched else mask[0]}
+            return Encoding(input_ids=out, attention_mask=mask if batched else mask[0])
         return out
 
     # ------------------------------------------------------------------ the transformers tokenizer, when needed

@@ -328,7 +328,10 @@ class SavedTokenizer:
 
     @property
     def hf_tokenizer(self) -> Any:
-        """transformers' tokenizer of the same folder, loaded on first use (xgrammar's TokenizerInfo needs one)."""
+        """transformers' tokenizer of the same folder, loaded on first use (xgrammar's TokenizerInfo needs one).
+
+        It is the folder's tokenizer as saved: tokens added to this object afterwards (`add_tokens`,
+        `add_special_tokens`) are not in it."""
         with self._hf_lock:
             if self._hf is None:
                 from chatserve.models.loader import load_folder_tokenizer

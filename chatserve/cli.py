@@ -289,9 +289,15 @@ def _server_class(ctx: Any, grace_s: float, notice_s: float = 0.0) -> type:
     return Server
 
 
-def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+_CLUSTER_HELP = "start N replicas behind vllm-router, sharing one Redis"
+_BENCH_HELP = "benchmarks: serve (online, over HTTP), latency and throughput (offline)"
+
+
+def build_parser(environ: Mapping[str, str] | None = None, command: str | None = None) -> argparse.ArgumentParser:
     """The parser, with flag defaults taken from `environ` (default: os.environ); passing it in lets
-    tests try environments without touching the process's own.
+    tests try environments without touching the process's own. `command="serve"`: the other commands'
+    flags are left out (their modules import httpx, rich and the bench datasets: a tenth of a second of
+    every server start); `chatserve --help` still lists them.
 
     Raises ValueError naming the variable when a `$CHATSERVE_<FIELD>` does not parse.
     """
@@ -306,6 +312,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                "value, or none, unsets an optional one); a flag on the command line wins over the environment.",
     )
     _add_serve_args(serve, environ)
+    if command == "serve":
+        sub.add_parser("cluster", help=_CLUSTER_HELP)
+        sub.add_parser("bench", help=_BENCH_HELP)
+        return parser
     _add_cluster_args(sub)
     _add_bench_args(sub, environ)
     return parser
@@ -322,7 +332,7 @@ def _add_bench_args(sub: Any, environ: Mapping[str, str]) -> None:
     """`chatserve bench serve|latency|throughput`, vLLM's `vllm bench` (chatserve/bench/)."""
     from chatserve.bench import latency, serve, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: serve (online, over HTTP), latency and throughput (offline)",
+    bench = sub.add_parser("bench", help=_BENCH_HELP,
                            description="Benchmarks in the shape of `vllm bench`: `serve` against a running server "
                                        "(this one or any OpenAI-compatible one), `latency` and `throughput` in-process.")
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,latency,throughput}")
@@ -346,7 +356,7 @@ def _add_cluster_args(sub: Any) -> None:
 
     d = ClusterSpec()
     cluster = sub.add_parser(
-        "cluster", help="start N replicas behind vllm-router, sharing one Redis",
+        "cluster", help=_CLUSTER_HELP,
         description="Start Redis (if none answers at --redis-url), N `chatserve serve` replicas on consecutive "
                     "ports and vllm-router in front of them; Ctrl-C or SIGTERM stops every one of them.",
         epilog="Flags after `--` go to every replica, e.g. `chatserve cluster --replicas 2 -- --dtype float32`.")
@@ -375,7 +385,9 @@ def _add_cluster_args(sub: Any) -> None:
 
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """Parse the command line; the positional MODEL of `serve` (vLLM's spelling) lands in `model`."""
-    args = build_parser(environ).parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # (the first positional: the command)
+    args = build_parser(environ, command="serve" if command == "serve" else None).parse_args(argv)
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag
     if getattr(args, "bench_check", None) is not None:  # what argparse cannot check flag by flag
@@ -395,20 +407,38 @@ def engine_args_from(args: argparse.Namespace, environ: Mapping[str, str] | None
     return EngineArgs.from_env(environ, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+def _prefetch_tokenizer(engine_args: EngineArgs) -> None:
+    """Start reading a GGUF's saved tokenizer now, beside the engine's imports (models/prefetch.py); a
+    model that cannot be resolved is reported by the engine's own load, not here."""
+    try:
+        from chatserve.models.loader import resolve_model
+        from chatserve.models.prefetch import prefetch_tokenizer
+
+        prefetch_tokenizer(resolve_model(engine_args.model, engine_args.cache_dir))
+    except (ValueError, OSError):
+        pass
+
+
 def serve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
-    import uvicorn
-
-    from chatserve.engine.async_engine import AsyncLLMEngine
-    from chatserve.server import create_app
-    from chatserve.sessions import make_session_store
-
     options: ServeOptions = options_from_args(ServeOptions, args)
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = options_from_args(ServerSettings, args)
         if settings.instance_id is None:
             settings = dataclasses.replace(settings, instance_id=f"{options.host}:{options.port}")
-        engine = AsyncLLMEngine.from_engine_args(engine_args_from(args, environ))
+        engine_args = engine_args_from(args, environ)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"chatserve: {exc}", file=sys.stderr)
+        return 2
+    _prefetch_tokenizer(engine_args)
+    import uvicorn
+
+    from chatserve.engine.async_engine import AsyncLLMEngine
+    from chatserve.server import create_app
+    from chatserve.sessions import make_session_store
+
+    try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"chatserve: {exc}", file=sys.stderr)
         return 2

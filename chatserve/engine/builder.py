@@ -26,6 +26,7 @@ from chatserve.engine.kv_tiering import KVTiering
 from chatserve.kv_offload import KVFingerprint, hash_model_files
 from chatserve.models.config import ModelConfig, warn_past_context
 from chatserve.models.loader import ModelSource, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from chatserve.models.prefetch import prefetch_tokenizer
 from chatserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from chatserve.spec_decode.proposer import SpecProposer, make_proposer
 from chatserve.structured import GrammarCompilerService, StructuredOutputsConfig, parse_structured_outputs_config
@@ -66,16 +67,17 @@ class EngineParts:
 def build_engine_parts(args: EngineArgs, *, clock: Callable[[], float] = time.monotonic) -> EngineParts:
     t0 = time.perf_counter()
     source = resolve_model(args.model, args.cache_dir)
+    prefetch_tokenizer(source)  # a GGUF served before: its tokenizer read beside the weights and kernels
     hf_config = load_hf_config(source, args.hf_overrides_dict)
     cfg = ModelConfig.from_hf(hf_config)
-    tokenizer = load_tokenizer(source)
-    eos = frozenset(eos_token_ids(source, cfg, tokenizer))
 
     max_len = args.max_model_len or cfg.context_len
     warn_past_context(cfg, max_len)
     # (with max_model_len set and no KV budget, a pool that holds it)
     runner = build_model_runner(WorkerConfig.from_engine_args(args), source, hf_config, cfg, args.cache_config(), max_len)
     logger.info("weight cache: %s", runner.weight_cache.describe())
+    tokenizer = load_tokenizer(source)
+    eos = frozenset(eos_token_ids(source, cfg, tokenizer))
     return assemble_engine_parts(args, source=source, hf_config=hf_config, model_config=cfg, tokenizer=tokenizer,
                                  eos_token_ids=eos, runner=runner, max_model_len=max_len, clock=clock, started=t0)
 

@@ -40,7 +40,6 @@ from chatserve.kv_offload import (
     KVFingerprint,
     KVOffloadStore,
     LoadedRun,
-    RedisTier,
     TierSecret,
     WriteJob,
     block_keys,
@@ -79,6 +78,8 @@ class KVTiering:
         if args.kv_offload_dir:
             tiers.append(DiskTier(args.kv_offload_dir, int(args.kv_offload_max_gb * _GB)))
         if args.kv_offload_redis_url:
+            from chatserve.kv_offload.redis_tier import RedisTier  # (redis imported only where a URL is given)
+
             tiers.append(RedisTier(args.kv_offload_redis_url, prefix=args.kv_offload_redis_prefix,
                                    ttl_s=args.kv_offload_redis_ttl_s, max_bytes=int(args.kv_offload_redis_max_gb * _GB)))
         # --kv-offload-secret: entries carry a MAC and are stored under keyed names (kv_offload/keys.py)

@@ -26,7 +26,6 @@ from .codec import DecodeError, decode_entry, encode_entry
 from .disk_tier import DiskTier
 from .fingerprint import FORMAT_VERSION, KVFingerprint, hash_model_files, kv_code_hash, library_versions
 from .keys import TierSecret, block_keys
-from .redis_tier import RedisTier
 from .store import KVOffloadStore, LoadedRun, TierStats, WriteJob
 
 __all__ = [
@@ -34,3 +33,13 @@ __all__ = [
     "hash_model_files", "kv_code_hash", "library_versions", "TierSecret", "block_keys", "KVOffloadStore", "LoadedRun",
     "TierStats", "WriteJob",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # RedisTier is imported on first use: the redis client library costs a start that uses no Redis
+    # (most) about a fifth of a second.
+    if name == "RedisTier":
+        from .redis_tier import RedisTier
+
+        return RedisTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,7 +38,12 @@ def rope_inv_freq(hf_config: Any, head_dim: int, *, layer_type: str | None = Non
         dim = int(head_dim * factor)
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
         return 1.0 / (theta**exponent), 1.0
+    # Scaled rope: transformers' functions (importing transformers, ~1 s on a 2-core host, only for these configs),
+    # which call a transformers config's methods: a config saved for warm starts hands over transformers' own.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if not hasattr(hf_config, "standardize_rope_params") and hasattr(hf_config, "to_transformers"):
+        hf_config = hf_config.to_transformers()
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")

@@ -99,10 +99,42 @@ class _Cursor:
             raise ValueError(f"corrupt GGUF: unknown array element type {elem_type} at byte {self.pos}")
 
 
+class _Layout(NamedTuple):
+    version: int
+    metadata: dict[str, Any]
+    kv_spans: dict[str, tuple[int, int]]
+    raw_infos: list[tuple[str, tuple[int, ...], int, int]]  # name, GGUF dims, ggml type, offset in the data
+    table_span: tuple[int, int]
+    data_offset: int
+
+
+def gguf_data_offset(buf: Any) -> int:
+    """Where a GGUF file's tensor data starts (the end of its header, aligned): the header walked
+    without the `gguf` package, whose import (its type tables, numpy's quantisers) would cost a
+    warm start a few hundred milliseconds for the one number the weight cache's key needs."""
+    return _read_layout(buf).data_offset
+
+
 def read_gguf_header(buf: Any) -> GGUFHeader:
     """Parse magic, metadata and tensor infos from a buffer holding a GGUF file (e.g. an mmap)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    version, metadata, kv_spans, raw_infos, table_span, data_offset = _read_layout(buf)
+    tensors = []
+    for name, dims, ggml_type, rel_offset in raw_infos:
+        try:
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, unknown to the installed gguf package") from None
+        n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        tensors.append(
+            GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_offset + rel_offset, n_elems * type_size // block_size)
+        )
+    return GGUFHeader(version, metadata, tuple(tensors), data_offset, kv_spans, table_span)
+
+
+def _read_layout(buf: Any) -> _Layout:
+    """Magic, metadata (arrays left in the file) and the raw tensor table of a GGUF buffer."""
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise ValueError(f"not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})")
     cur = _Cursor(buf, 4)
@@ -128,17 +160,7 @@ def read_gguf_header(buf: Any) -> GGUFHeader:
     table_span = (table_start, cur.pos)
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     data_offset = -(-cur.pos // alignment) * alignment
-    tensors = []
-    for name, dims, ggml_type, rel_offset in raw_infos:
-        try:
-            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        except (ValueError, KeyError):
-            raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, unknown to the installed gguf package") from None
-        n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
-        tensors.append(
-            GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_offset + rel_offset, n_elems * type_size // block_size)
-        )
-    return GGUFHeader(version, metadata, tuple(tensors), data_offset, kv_spans, table_span)
+    return _Layout(version, metadata, kv_spans, raw_infos, table_span, data_offset)
 
 
 def read_array(buf: Any, arr: GGUFArray) -> list[Any]:

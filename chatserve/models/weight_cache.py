@@ -165,9 +165,9 @@ def _file_fingerprint(path: Path, header_bytes: Callable[[Any], int]) -> dict[st
 
 
 def _gguf_header_end(buf: Any) -> int:
-    from chatserve.models.gguf_header import read_gguf_header
+    from chatserve.models.gguf_header import gguf_data_offset
 
-    return read_gguf_header(buf).data_offset
+    return gguf_data_offset(buf)
 
 
 def _safetensors_header_end(buf: Any) -> int:

@@ -419,8 +419,10 @@ class GrammarCompilerService:
             if self._compiler is None:
                 import xgrammar as xgr
 
+                # (a GGUF's SavedTokenizer hands xgrammar the transformers tokenizer it was saved from, loaded now)
+                tokenizer = getattr(self._tokenizer, "hf_tokenizer", self._tokenizer)
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
                 # NOTE: xgrammar's own cache is off: ours is keyed by the spec and counts hits.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -193,3 +193,18 @@ def test_the_cli_imports_no_torch_until_a_command_needs_it() -> None:
             "print(sorted(m for m in ('torch', 'transformers', 'xgrammar', 'chatserve.server.app') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_serve_parses_without_the_other_commands_modules_and_they_still_parse() -> None:
+    """`chatserve serve` builds only its own flags (the cluster's and the benchmarks' modules import httpx,
+    rich and the datasets: part of every server start); the other commands parse as before."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from chatserve.cli import parse_args; a = parse_args(['serve', '--port', '9']); "
+            "print(a.command, a.port, sorted(m for m in ('httpx', 'chatserve.cluster', 'chatserve.bench.serve') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "serve 9 []", out.stdout + out.stderr
+    assert parse_args(["cluster", "--replicas", "3"]).replicas == 3
+    assert parse_args(["bench", "serve", "--num-prompts", "5"]).bench_command == "serve"

@@ -198,9 +198,12 @@ def test_reserved_template_kwargs_cover_every_parameter_of_the_rendering_path() 
     from transformers.utils import chat_template_utils
 
     from chatserve.engine import input_processor
+    from chatserve.models import chat_template
+    from chatserve.models.saved_tokenizer import SavedTokenizer
 
     functions = [PreTrainedTokenizerBase.apply_chat_template, chat_template_utils.render_jinja_template,
-                 input_processor.apply_chat_template, input_processor.InputProcessor.render_chat]
+                 input_processor.apply_chat_template, input_processor.InputProcessor.render_chat,
+                 SavedTokenizer.apply_chat_template, chat_template.render]
     names = {name for fn in functions for name, p in inspect.signature(fn).parameters.items()
              if p.kind is not inspect.Parameter.VAR_KEYWORD}
     assert names <= chat_protocol.RESERVED_TEMPLATE_KWARGS, names - chat_protocol.RESERVED_TEMPLATE_KWARGS

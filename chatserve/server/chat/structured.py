@@ -14,9 +14,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jsonschema import SchemaError
-from jsonschema.validators import validator_for
-
 from chatserve.engine.async_engine import AsyncLLMEngine
 from chatserve.sampling_params import StructuredOutputsParams
 from chatserve.server.chat.protocol import SamplingFields
@@ -42,6 +39,11 @@ def check_json_schema(schema: Any, param: str) -> None:
         return
     if not isinstance(schema, dict):
         raise bad_request(f"{param}: a JSON schema must be an object", param=param)
+    # (imported here: jsonschema and its format checkers are a tenth of a second of a server start that no
+    # request with a schema may ever need)
+    from jsonschema import SchemaError
+    from jsonschema.validators import validator_for
+
     try:
         check_value(schema, what="the JSON schema")
         validator_for(schema).check_schema(schema)

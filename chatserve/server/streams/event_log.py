@@ -388,9 +388,9 @@ class RedisEventLog(EventLog):
 def make_event_log(sessions: Any, *, max_events: int = DEFAULT_MAX_EVENTS, ttl_s: float = DEFAULT_TTL_S) -> EventLog:
     """A RedisEventLog on the session store's client (same Redis, prefix, timeouts) when sessions live
     in Redis, else a MemoryEventLog (this process only, like the sessions)."""
-    from chatserve.sessions.redis_store import RedisSessionStore
+    from chatserve.sessions.factory import is_redis_session_store
 
-    if isinstance(sessions, RedisSessionStore):
+    if is_redis_session_store(sessions):
         return RedisEventLog(sessions.client, prefix=sessions.prefix, url=sessions.url, max_events=max_events,
                              ttl_s=ttl_s)
     return MemoryEventLog(max_events=max_events, ttl_s=ttl_s)

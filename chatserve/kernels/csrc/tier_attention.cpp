@@ -1,8 +1,10 @@
-// Paged attention and the K/V stores of the tiered builds (issue #30: AVX2 and AVX512 without BF16),
-// written once over csrc/vec.h: prefill, chunked prefill over cached keys, and decode in one kernel,
-// with one reduction order per (query row, query head). The same three functions, signatures and
-// semantics as the AVX512-BF16 kernel (cpu_attention.cpp); only the in-block layout and the
-// instructions differ (fp32 FMAs where that kernel has bf16 dot products).
+// Paged attention and the K/V stores of every kernel tier (issues #30, 56), written once over
+// csrc/vec.h: prefill, chunked prefill over cached keys, and decode in one kernel, with one
+// reduction order per (query row, query head), over bf16 or 8-bit K/V caches. What differs per tier
+// is the in-block layout of a bf16 cache and the instructions of two steps (vec.h's "attention
+// micro-kernels"): AVX2 (8 lanes) and AVX512-VNNI (16) score and weight with fp32 FMA chains (the
+// layout below); AVX512-BF16 with vdpbf16ps over bf16 pairs (K paired by dim, V by key, P rounded to
+// bf16: see Bf16Pair), half the instructions.
 //
 // Why one kernel, one order: a row's result must not depend on how it is scheduled (issue 20). For
 // every (row, head) the keys 0..pos are walked in tiles of kTile = 16 key positions (16j .. 16j + 15,
@@ -31,6 +33,13 @@
 // rows that read the same physical tile (a prompt's rows, the heads of one KV head, sequences of a
 // group sharing a prefix) compute together: kChunk rows' scores share every K load, kPvRows rows'
 // weighted sums share every V load; each row's own chains are the ones it has alone.
+// 8-bit caches (the KV contract, issue 56): [blocks, block_size, KVH, D + 4] int8, one fp32 scale per
+// token and KV head (amax / 127, round half to even: store_kv_paged_bf16 and store_kv_bf16 quantize,
+// bit-exact with kernels/kv_quant.py). In a block's head region K is [D][block_size] quants then the
+// block_size scales, V [block_size][D] then the scales. A tile's scores are the FMA chains above over
+// the quants widened exactly, times k_scale * scale per key; the V step weights key i by p_i * v_scale_i
+// (l sums p); the same on every tier (no tier has an int8 x bf16 dot product, and widening a quant
+// costs what widening a bf16 does, so the halved bytes are the gain).
 // Speed (Zen 3, AVX2, SmolLM2's 9 x 3 heads of 64, benchmarks/kernels/bench_tier_attention.py): a 1,000-token
 // causal prefill ~20 ms a layer on one core (~75% of the FMA peak; torch SDPA in fp32 ~25 ms),
 // ~11-13 ms on two (SDPA ~14-17); decode at 4,000 keys ~0.18 ms on two (SDPA ~0.35). Scoring two tiles at once for a decode's few rows was
@@ -359,7 +368,8 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
     st.m[r] = m_new[n];
     corr_lanes[n] = m_old - m_new[n];  // -inf on the first tile, 0 while the max stays
   }
-  cs::store(corr_lanes, cs::exp(cs::load(corr_lanes)));  // every row's correction in one exp, lane by lane
+  const VF corr_all = cs::exp(cs::load(corr_lanes));  // every row's correction in one exp, lane by lane
+  if constexpr (!kPairs<E>) cs::store(corr_lanes, corr_all);
   VF corr[N];
   float* acc[N];
 #if defined(CHATSERVE_BF16)
@@ -367,7 +377,13 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
 #endif
   _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
     const int r = rows[n];
-    corr[n] = cs::broadcast(corr_lanes + n);
+    if constexpr (kPairs<E>) {
+#if defined(CHATSERVE_BF16)
+      corr[n] = cs::broadcast_lane(corr_all, n);
+#endif
+    } else {
+      corr[n] = cs::broadcast(corr_lanes + n);
+    }
     float* lv = st.lv + r * kTile;
     float* p = st.p + n * kTile;
     for (int v = 0; v < kTV; ++v) {
@@ -433,9 +449,15 @@ void step_rows(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, cons
   step<N, E>(c, st, t, qv, rows, key0);
 }
 
+// Rows scored together: kChunk, or 8 in the paired layout, whose P (one register a row) stays in
+// registers beside the V step's 16 accumulators (12 spilled them: AVX512 has 32).
+template <typename E>
+constexpr int kChunkOf = kPairs<E> ? 8 : kChunk;
+
 template <typename E>
 void run_rows(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, const int* rows, int n, int64_t key0) {
-  for (int i = 0; i < n; i += kChunk) step_rows<kChunk, E>(c, st, t, qv, rows + i, std::min(kChunk, n - i), key0);
+  constexpr int chunk = kChunkOf<E>;
+  for (int i = 0; i < n; i += chunk) step_rows<chunk, E>(c, st, t, qv, rows + i, std::min(chunk, n - i), key0);
 }
 
 template <typename E>
@@ -443,8 +465,9 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
   const int64_t D = c.head_dim;
   int64_t max_pos = 0, min_lo = INT64_MAX;
   for (int64_t r = 0; r < n; ++r) {
-    const uint16_t* q = c.q + qv[r].t * c.q_row_stride + qv[r].head * D;
-    for (int64_t d = 0; d < D; d += kLanes) cs::store(st.q + r * D + d, cs::load_bf16(q + d));
+    [[maybe_unused]] const uint16_t* q = c.q + qv[r].t * c.q_row_stride + qv[r].head * D;
+    if constexpr (!kPairs<E>)  // the paired layout reads q in place as bf16 pairs
+      for (int64_t d = 0; d < D; d += kLanes) cs::store(st.q + r * D + d, cs::load_bf16(q + d));
     std::memset(st.acc + r * D, 0, D * sizeof(float));
     std::memset(st.lv + r * kTile, 0, kTile * sizeof(float));
     st.m[r] = -INFINITY;

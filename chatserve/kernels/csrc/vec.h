@@ -332,6 +332,9 @@ CS_INLINE VB to_bf16_pairs(VF a) { return {(__m512bh)_mm512_castsi256_si512((__m
 CS_INLINE VB broadcast_pair_lane(VB a, int i) {
   return {(__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(i), (__m512i)a.v)};
 }
+// fp32 lane i of a in every lane (in registers: a vector store read back as a scalar broadcast can
+// miss store forwarding)
+CS_INLINE VF broadcast_lane(VF a, int i) { return {_mm512_permutexvar_ps(_mm512_set1_epi32(i), a.v)}; }
 #else
 constexpr bool kBf16Dot = false;
 #endif

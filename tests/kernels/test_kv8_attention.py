@@ -262,3 +262,24 @@ def test_int8_sliding_window_and_softcap(kernels, window, softcap):
             alone = attend(kernels, q[row + j : row + j + 1], caches, [tables[i]], [(start + j, 1)], window=window, softcap=softcap)
             assert torch.equal(alone, out[row + j : row + j + 1]), (i, j)
         row += n
+
+
+def test_the_load_time_check_proves_the_int8_path(kernels):
+    """kernels/cpu.py's check passes this tier's kernels and refuses a K/V store whose bytes leave
+    the contract by one quant, or attention whose int8 results drift from the dequantized reference."""
+    from chatserve.kernels.cpu import verify_paged_attention_int8
+
+    verify_paged_attention_int8(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
+
+    def off_by_one_store(k, v, k_cache, v_cache, slots):
+        kernels.store_kv(k, v, k_cache, v_cache, slots)
+        k_cache.view(-1)[5] += 1
+
+    with pytest.raises(RuntimeError, match="KV contract"):
+        verify_paged_attention_int8(kernels.paged_attention, kernels.store_kv_paged, off_by_one_store)
+
+    def drifting_attention(*args):
+        return kernels.paged_attention(*args) + 0.1
+
+    with pytest.raises(RuntimeError, match="int8 KV cache"):
+        verify_paged_attention_int8(drifting_attention, kernels.store_kv_paged, kernels.store_kv)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The quantized matmul (csrc/quant_gemm.cpp, issue #21) beside the bf16 one (csrc/bf16_gemm.cpp) on
-this CPU, per layer shape of SmolLM2-135M and per format, and the whole model's weight sweep.
+"""The quantized matmul (csrc/tier_quant.cpp, issue #21) beside the bf16 one (csrc/tier_gemm.cpp) of the
+best kernel tier on this CPU, per layer shape of SmolLM2-135M and per format, and the whole model's weight sweep.
 
     python benchmarks/kernels/bench_quant.py --threads 1                 # steadier on a shared machine
     python benchmarks/kernels/bench_quant.py --types Q4_1,Q8_0 --rows 1,8 --no-sweep

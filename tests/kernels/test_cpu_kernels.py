@@ -357,6 +357,26 @@ def test_tier_huge_page_zeros_and_release(fused):
         fused.huge_page_zeros(0)
 
 
+def test_tier_rounding_to_bf16_is_torchs_for_denormals_and_nan(fused):
+    """store_bf16's bits on every tier, denormals and NaN included: the residual add rounds the fp32 sum
+    of two bf16 values as torch's add does (the AVX512-BF16 tier's one-instruction rounding would flush
+    a denormal sum to zero; vec.h takes the integer steps for such vectors), and a NaN is c10's 0x7FC0."""
+    gen = torch.Generator().manual_seed(17)
+    d = 2 * fused.lanes() + 3  # full vectors and a tail
+    tiny = torch.randint(1, 0x7F, (4, d), generator=gen, dtype=torch.int16).view(torch.bfloat16)  # bf16 denormals
+    x = tiny.clone()
+    x[1] = (torch.randn(d, generator=gen) * 1e-3).to(torch.bfloat16)  # a row of normals: the one-instruction path
+    residual = torch.randint(1, 0x7F, (4, d), generator=gen, dtype=torch.int16).view(torch.bfloat16).neg()
+    residual[2, 5] = float("nan")
+    expect = residual + x
+    w = torch.ones(d, dtype=torch.bfloat16)
+    fused.add_rms_norm_bf16(x, residual, w, 1e-5)
+    finite = ~expect.isnan()
+    assert torch.equal(residual[finite].view(torch.int16), expect[finite].view(torch.int16))
+    assert residual.isnan().sum() == 1 and int(residual[2, 5].view(torch.int16)) == 0x7FC0
+    assert bool((residual[0] != 0).any())  # denormal sums kept, not flushed
+
+
 UNRUNNABLE_TIERS = unrunnable_tiers(CAP)
 
 

@@ -81,13 +81,28 @@ CS_INLINE VF load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_
 // kLanes bytes widened to fp32 (unsigned / signed)
 CS_INLINE VF load_u8(const uint8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
 CS_INLINE VF load_s8(const int8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
-CS_INLINE void store_bf16(uint16_t* p, VF a) {
+// kLanes fp32 rounded to bf16 bits (nearest even; NaN -> 0x7FC0): the integer steps on every AVX512
+// tier. With CHATSERVE_BF16, vcvtneps2bf16 (one instruction) where it gives the same bits: it rounds
+// to nearest even too, but flushes fp32 denormals to a signed zero and keeps a NaN's sign and
+// payload, so a vector holding either (vfpclassps: QNaN, SNaN, denormal) takes the integer steps.
+CS_INLINE __m256i to_bf16_bits(VF a) {
+#if defined(CHATSERVE_BF16)
+  if (_mm512_fpclass_ps_mask(a.v, 0x01 | 0x20 | 0x80) == 0) return (__m256i)_mm512_cvtneps_pbh(a.v);
+#endif
   const __m512i bits = _mm512_castps_si512(a.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  return _mm512_cvtepi32_epi16(r);
 }
+CS_INLINE void store_bf16(uint16_t* p, VF a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(a)); }
+// The first n (< kLanes) lanes: masked loads and stores (lanes past n read as 0, memory past n untouched).
+CS_INLINE __mmask16 first_lanes(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+CS_INLINE VF load_bf16_n(const uint16_t* p, int n) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(first_lanes(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+CS_INLINE void store_bf16_n(uint16_t* p, VF a, int n) { _mm256_mask_storeu_epi16(p, first_lanes(n), to_bf16_bits(a)); }
 // 2 * kLanes bf16 widened exactly, the even-indexed to `even` and the odd-indexed to `odd`: one load,
 // one shift and one and (no shuffle), for a packed layout that puts two outputs in each 32-bit word.
 CS_INLINE void load_bf16_even_odd(const uint16_t* p, VF& even, VF& odd) {
@@ -169,10 +184,8 @@ CS_INLINE VF exp2_int(VF n) {
 #endif
 
 // ------------------------------------------------------------------ bf16 pairs (CHATSERVE_BF16 only)
-// What only the AVX512-BF16 tier has, as micro-kernel operations. Deliberately absent: a native
-// fp32 -> bf16 store (vcvtneps2bf16). It rounds to nearest even as store_bf16 does, but flushes fp32
-// denormals to a signed zero and keeps a NaN's sign and payload (store_bf16 writes 0x7FC0, c10's
-// scalar rounding), so it is not the same bits; every tier keeps the integer rounding above.
+// What only the AVX512-BF16 tier has, as micro-kernel operations (its native fp32 -> bf16 rounding
+// is inside store_bf16 above, where it gives the integer steps' bits).
 #if defined(CHATSERVE_BF16)
 #if !defined(CHATSERVE_TIER_AVX512)
 #error "CHATSERVE_BF16 needs CHATSERVE_TIER_AVX512 (the avx512_bf16 tier in kernels/tiers.py)"
@@ -205,6 +218,7 @@ CS_INLINE void store_n(float* p, VF a, int n) {
   store(buf, a);
   std::memcpy(p, buf, sizeof(float) * n);
 }
+#if !defined(CHATSERVE_TIER_AVX512)  // (AVX512: masked, in its section)
 CS_INLINE VF load_bf16_n(const uint16_t* p, int n) {
   alignas(64) uint16_t buf[kLanes] = {};
   std::memcpy(buf, p, sizeof(uint16_t) * n);
@@ -215,6 +229,7 @@ CS_INLINE void store_bf16_n(uint16_t* p, VF a, int n) {
   store_bf16(buf, a);
   std::memcpy(p, buf, sizeof(uint16_t) * n);
 }
+#endif
 
 // e^x for the x <= 0 of a max-subtracted softmax (and silu's e^-|x|): 2^n * 2^f with
 // n = round(x log2 e), |f| <= 1/2, 2^f from a degree-6 Taylor series of e^(f ln 2) (rel. error ~1e-7).

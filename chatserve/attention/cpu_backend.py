@@ -1,11 +1,11 @@
-"""The CPU backends with the compiled C++ kernels (AVX512-BF16 CPUs).
+"""The CPU backends with the compiled C++ kernels (every kernel tier: AVX2 and up).
 
 `CpuPagedAttentionBackend` runs every query row (prefill, a chunk over cached keys, decode) through
-one C++ kernel (csrc/cpu_attention.cpp) that walks the row's keys in 16-key tiles in order with an
+one C++ kernel (csrc/tier_attention.cpp, built per tier; bf16 or int8 caches) that walks the row's keys in 16-key tiles in order with an
 online softmax: a row gets the same bits whatever else is in the step and wherever its keys come
 from, so greedy output does not change with batching, the prefix cache or chunk sizes (issue 20).
-It keeps K and V in the kernel's own layout inside each block (K paired by dim, V by key: what the
-bf16 dot-product instructions read, with no transpose per step); the engine only ever copies and
+It keeps K and V in the kernel's own layout inside each block (the tier's: K by dim, V by key, what
+its dot-product instructions read with no transpose per step; int8 with each block's scales); the engine only ever copies and
 zeroes whole blocks, so the layout is this backend's business alone.
 Sequences whose block tables start with the same cached blocks (a shared system prompt) form one
 group: the kernel reads each shared tile once for all of them (what cascade attention was for),

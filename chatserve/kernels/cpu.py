@@ -234,27 +234,12 @@ def verify_rms_norm(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torc
         raise RuntimeError("rms_norm kernel gave wrong results")
 
 
-def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
-    """bf16 K/V rows [..., D] -> int8 cache rows [..., D + 4] in the reference layout (issue 56's KV
-    contract): per row scale = amax / 127 and q = clamp(round_half_even(x / scale), -127, 127) (0
-    where the scale is 0), then the scale's 4 raw bytes. The formula every kernel must match bit for bit."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(scale == 0, torch.zeros_like(xf), (xf / scale).round().clamp(-127, 127))
-    return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
-
-
-def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Reference-layout int8 cache rows [..., D + 4] -> fp32 [..., D]: q * scale."""
-    d = rows.shape[-1] - 4
-    return rows[..., :d].float() * rows[..., d:].contiguous().view(torch.float32)
-
-
 def verify_paged_attention_int8(paged_attention: Callable[..., torch.Tensor], store_kv_paged: Callable[..., None],
                                 store_kv: Callable[..., None]) -> None:
     """The int8 KV path: store_kv's bytes are the contract's formula; decodes and a chunk over int8
     caches in the kernel's layout match the fp32 reference over the dequantized values; one row
     alone gives the same bits as in the batch."""
+    from chatserve.kernels.kv_quant import dequantize_kv_rows, quantize_kv_rows
     from chatserve.kernels.reference import paged_extend_attention
 
     gen = torch.Generator().manual_seed(1)
@@ -271,8 +256,8 @@ def verify_paged_attention_int8(paged_attention: Callable[..., torch.Tensor], st
     tables = torch.tensor([[5, 1, 0, 3, 4], [2, 2, 2, 2, 2], [4, 3, 0, 1, 5]])
     query_start, start_pos = torch.tensor([0, 1, 2, 8]), torch.tensor([8, 0, 13])  # two decodes, a 6-token chunk
     order, groups = torch.arange(3), torch.tensor([0, 1, 3])
-    ref = paged_extend_attention(q.float(), dequantize_kv_rows(k_plain), dequantize_kv_rows(v_plain), tables, query_start,
-                                 torch.tensor([9, 1, 19]), 0.2)
+    k_ref, v_ref = dequantize_kv_rows(k_plain, torch.float32), dequantize_kv_rows(v_plain, torch.float32)
+    ref = paged_extend_attention(q.float(), k_ref, v_ref, tables, query_start, torch.tensor([9, 1, 19]), 0.2)
     k_paged, v_paged = torch.empty_like(k_plain), torch.empty_like(v_plain)
     store_kv_paged(k_src, v_src, k_paged, v_paged, torch.arange(24))
     out = paged_attention(q, k_paged, v_paged, tables, query_start, start_pos, order, groups, 0.2)

@@ -21,21 +21,23 @@ import pytest
 import torch
 
 from chatserve.kernels import tiers
+from chatserve.kernels.kv_quant import dequantize_kv_rows, quantize_kv_rows
 from chatserve.kernels.reference import paged_extend_attention, paged_masked_attention
 from chatserve.kernels.tiers import build_tier_family
 from tests.conftest import PROCESS_ENGINE_ARGS
 from tests.kernels.test_cpu_attention import SEQS, _setup
 
-TIERS = tiers.tested_tiers(cap=PROCESS_ENGINE_ARGS.max_cpu_tier)
+TESTED = [t.name for t in tiers.tested_tiers(cap=PROCESS_ENGINE_ARGS.max_cpu_tier)]
 
 
-@pytest.fixture(scope="module", params=[t.name for t in TIERS])
+@pytest.fixture(scope="module", params=TESTED or ["none"])
 def kernels(request):
-    tier = next(t for t in TIERS if t.name == request.param)
-    ext = build_tier_family("attention", tier)
+    if request.param == "none":
+        pytest.skip("no kernel tier on this CPU (needs AVX2 + FMA)")
+    ext = build_tier_family("attention", tiers.TIERS[request.param])
     if ext is None:
-        pytest.fail(f"the {tier.name} attention kernel did not build (a tier this CPU runs)")
-    return SimpleNamespace(tier=tier.name, paged_attention=ext.paged_attention_bf16,
+        pytest.fail(f"the {request.param} attention kernel did not build (a tier this CPU runs)")
+    return SimpleNamespace(tier=request.param, paged_attention=ext.paged_attention_bf16,
                            store_kv_paged=ext.store_kv_paged_bf16, store_kv=ext.store_kv_bf16)
 
 
@@ -43,27 +45,17 @@ def _i64(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-# ------------------------------------------------------------------ the contract, written out in torch
-
-
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 rows [..., D] -> (int8 quants [..., D], fp32 scales [..., 1]), the contract's formula."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(scale == 0, torch.zeros_like(xf), (xf / scale).round().clamp(-127, 127))
-    return q.to(torch.int8), scale
+# ------------------------------------------------------------------ the contract's layouts
 
 
 def reference_rows(x: torch.Tensor) -> torch.Tensor:
-    """bf16 rows [..., D] -> the reference layout's int8 rows [..., D + 4]: quants, then the scale's bytes."""
-    q, scale = quantize(x)
-    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+    """bf16 rows [..., D] -> the reference layout's int8 rows [..., D + 4] (kernels/kv_quant.py, the contract's formula)."""
+    return quantize_kv_rows(x)
 
 
 def dequantize(rows: torch.Tensor) -> torch.Tensor:
     """Reference-layout int8 rows [..., D + 4] -> fp32 [..., D] (q * scale)."""
-    d = rows.shape[-1] - 4
-    return rows[..., :d].float() * rows[..., d:].contiguous().view(torch.float32)
+    return dequantize_kv_rows(rows, torch.float32)
 
 
 def kernel_layout(rows: torch.Tensor) -> torch.Tensor:
@@ -270,3 +262,24 @@ def test_int8_sliding_window_and_softcap(kernels, window, softcap):
             alone = attend(kernels, q[row + j : row + j + 1], caches, [tables[i]], [(start + j, 1)], window=window, softcap=softcap)
             assert torch.equal(alone, out[row + j : row + j + 1]), (i, j)
         row += n
+
+
+def test_the_load_time_check_proves_the_int8_path(kernels):
+    """kernels/cpu.py's check passes this tier's kernels and refuses a K/V store whose bytes leave
+    the contract by one quant, or attention whose int8 results drift from the dequantized reference."""
+    from chatserve.kernels.cpu import verify_paged_attention_int8
+
+    verify_paged_attention_int8(kernels.paged_attention, kernels.store_kv_paged, kernels.store_kv)
+
+    def off_by_one_store(k, v, k_cache, v_cache, slots):
+        kernels.store_kv(k, v, k_cache, v_cache, slots)
+        k_cache.view(-1)[5] += 1
+
+    with pytest.raises(RuntimeError, match="KV contract"):
+        verify_paged_attention_int8(kernels.paged_attention, kernels.store_kv_paged, off_by_one_store)
+
+    def drifting_attention(*args):
+        return kernels.paged_attention(*args) + 0.1
+
+    with pytest.raises(RuntimeError, match="int8 KV cache"):
+        verify_paged_attention_int8(drifting_attention, kernels.store_kv_paged, kernels.store_kv)

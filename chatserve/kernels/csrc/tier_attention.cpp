@@ -1,8 +1,10 @@
-// Paged attention and the K/V stores of the tiered builds (issue #30: AVX2 and AVX512 without BF16),
-// written once over csrc/vec.h: prefill, chunked prefill over cached keys, and decode in one kernel,
-// with one reduction order per (query row, query head). The same three functions, signatures and
-// semantics as the AVX512-BF16 kernel (cpu_attention.cpp); only the in-block layout and the
-// instructions differ (fp32 FMAs where that kernel has bf16 dot products).
+// Paged attention and the K/V stores of every kernel tier (issues #30, 56), written once over
+// csrc/vec.h: prefill, chunked prefill over cached keys, and decode in one kernel, with one
+// reduction order per (query row, query head), over bf16 or 8-bit K/V caches. What differs per tier
+// is the in-block layout of a bf16 cache and the instructions of two steps (vec.h's "attention
+// micro-kernels"): AVX2 (8 lanes) and AVX512-VNNI (16) score and weight with fp32 FMA chains (the
+// layout below); AVX512-BF16 with vdpbf16ps over bf16 pairs (K paired by dim, V by key, P rounded to
+// bf16: see Bf16Pair), half the instructions.
 //
 // Why one kernel, one order: a row's result must not depend on how it is scheduled (issue 20). For
 // every (row, head) the keys 0..pos are walked in tiles of kTile = 16 key positions (16j .. 16j + 15,
@@ -31,6 +33,13 @@
 // rows that read the same physical tile (a prompt's rows, the heads of one KV head, sequences of a
 // group sharing a prefix) compute together: kChunk rows' scores share every K load, kPvRows rows'
 // weighted sums share every V load; each row's own chains are the ones it has alone.
+// 8-bit caches (the KV contract, issue 56): [blocks, block_size, KVH, D + 4] int8, one fp32 scale per
+// token and KV head (amax / 127, round half to even: store_kv_paged_bf16 and store_kv_bf16 quantize,
+// bit-exact with kernels/kv_quant.py). In a block's head region K is [D][block_size] quants then the
+// block_size scales, V [block_size][D] then the scales. A tile's scores are the FMA chains above over
+// the quants widened exactly, times k_scale * scale per key; the V step weights key i by p_i * v_scale_i
+// (l sums p); the same on every tier (no tier has an int8 x bf16 dot product, and widening a quant
+// costs what widening a bf16 does, so the halved bytes are the gain).
 // Speed (Zen 3, AVX2, SmolLM2's 9 x 3 heads of 64, benchmarks/kernels/bench_tier_attention.py): a 1,000-token
 // causal prefill ~20 ms a layer on one core (~75% of the FMA peak; torch SDPA in fp32 ~25 ms),
 // ~11-13 ms on two (SDPA ~14-17); decode at 4,000 keys ~0.18 ms on two (SDPA ~0.35). Scoring two tiles at once for a decode's few rows was
@@ -118,6 +127,15 @@ struct Scratch {
 //   int8: K [D][block_size] quants then [block_size] fp32 scales; V [block_size][D] then the scales.
 template <typename E>
 constexpr bool kInt8 = std::is_same_v<E, int8_t>;
+// The AVX512-BF16 tier's bf16 layout (vec.h's attention micro-kernels, cs::kBf16Dot): K as
+// [D/2][block_size] bf16 pairs (dims 2c, 2c + 1 of key i in 32-bit word c * block_size + i), V as
+// [block_size/2][D] pairs of consecutive keys (keys 2j, 2j + 1 of dim d in word j * D + d): a score
+// is a vdpbf16ps chain over the pairs of head_dim, P.V one over the tile's 8 key pairs.
+struct Bf16Pair { int32_t bits; };
+template <typename E>
+constexpr bool kPairs = std::is_same_v<E, Bf16Pair>;
+// A bf16 cache's layout on this tier
+using Bf16Layout = std::conditional_t<cs::kBf16Dot, Bf16Pair, uint16_t>;
 template <typename E>
 constexpr int64_t row_elems(int64_t D) { return kInt8<E> ? D + 4 : D; }
 
@@ -155,6 +173,24 @@ inline Tile<E> locate_tile(const Ctx& c, Scratch& st, const int64_t* blocks, int
   auto base = [&](const E* cache, int64_t i) { return cache + blocks[bs >= kTile ? 0 : i / bs] * block + kv_head * head; };
   auto slot = [&](int64_t i) { return (key0 + i) % bs; };
   Tile<E> t;
+  if constexpr (kPairs<E>) {  // in 32-bit words: a head's region is bs * D / 2 of them
+    const int64_t pairs = D / 2, head_w = bs * pairs, block_w = c.num_kv_heads * head_w;
+    auto pair_base = [&](const E* cache, int64_t i) { return cache + blocks[bs >= kTile ? 0 : i / bs] * block_w + kv_head * head_w; };
+    for (int i = 0; i < kTile / 2; ++i) t.v[i] = pair_base(vc, 2 * i) + slot(2 * i) / 2 * D;
+    t.ks = t.vs = nullptr;
+    if (bs >= kTile) {
+      t.k[0] = pair_base(kc, 0) + slot(0);
+      t.k_stride = bs;
+      return t;
+    }
+    for (int64_t b = 0; b < kTile / bs; ++b) {  // blocks of 2, 4 or 8 keys: gather the tile's K lanes
+      const E* src = pair_base(kc, b * bs);
+      for (int64_t p = 0; p < pairs; ++p) std::memcpy(kt + p * kTile + b * bs, src + p * bs, bs * sizeof(E));
+    }
+    t.k[0] = kt;
+    t.k_stride = kTile;
+    return t;
+  }
   for (int i = 0; i < kTile; ++i) t.v[i] = base(vc, i) + slot(i) * D;
   if constexpr (kInt8<E>) {
     if (bs >= kTile) {  // the tile's scales are 16 consecutive floats of its block
@@ -188,6 +224,46 @@ inline Tile<E> locate_tile(const Ctx& c, Scratch& st, const int64_t* blocks, int
 // kLanes keys' values of one dim widened exactly to fp32 (bf16 bits, or int8 quants before their scale)
 CS_INLINE VF load_keys(const uint16_t* p) { return cs::load_bf16(p); }
 CS_INLINE VF load_keys(const int8_t* p) { return cs::load_s8(p); }
+
+#if defined(CHATSERVE_BF16)
+// Scores of N rows against the tile's 16 keys in the paired layout: per row one vdpbf16ps chain over
+// head_dim's pairs, q read as bf16 pairs straight from the query row.
+template <int N>
+CS_INLINE void pair_scores(const Tile<Bf16Pair>& t, const uint16_t* const* q, int64_t D, VF (&s)[N][kTV]) {
+  _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) s[n][0] = cs::zero();
+  for (int64_t c = 0; c < D / 2; ++c) {
+    const cs::VB k = cs::load_bf16_pairs(reinterpret_cast<const uint16_t*>(t.k[0] + c * t.k_stride));
+    _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) s[n][0] = cs::dpbf16(s[n][0], k, cs::broadcast_bf16_pair(q[n] + 2 * c));
+  }
+}
+
+// The V part of one step for NR rows, NV vectors of dims from d, in the paired layout: acc = acc *
+// corr, then the tile's key pairs in order, acc += P pair . V pair (vdpbf16ps; P as bf16 pairs, row
+// r's in p[r], kept in registers). The rows share every V load.
+template <int NR, int NV>
+CS_INLINE void pair_pv_block(float* const* acc, const VF* corr, const cs::VB* p, const Tile<Bf16Pair>& t, int64_t d) {
+  VF a[NR][NV];
+  _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r)
+    _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) a[r][j] = cs::mul(cs::load(acc[r] + d + j * kLanes), corr[r]);
+  _Pragma("GCC unroll 8") for (int i = 0; i < kTile / 2; ++i) {
+    cs::VB w[NR];
+    _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r) w[r] = cs::broadcast_pair_lane(p[r], i);
+    _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) {
+      const cs::VB v = cs::load_bf16_pairs(reinterpret_cast<const uint16_t*>(t.v[i] + d + j * kLanes));
+      _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r) a[r][j] = cs::dpbf16(a[r][j], v, w[r]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r)
+    _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) cs::store(acc[r] + d + j * kLanes, a[r][j]);
+}
+
+template <int NR>
+CS_INLINE void pair_pv(int64_t D, float* const* acc, const VF* corr, const cs::VB* p, const Tile<Bf16Pair>& t) {
+  int64_t d = 0;
+  for (; d + 4 * kLanes <= D; d += 4 * kLanes) pair_pv_block<NR, 4>(acc, corr, p, t, d);
+  if (d < D) pair_pv_block<NR, 2>(acc, corr, p, t, d);  // head_dim is a multiple of 32
+}
+#endif
 
 // Scores of N rows against the tile's keys: per row and vector, one FMA chain over d = 0..D-1.
 // int8: the sums of q . k_q, scaled per key later (softmax_pv).
@@ -292,12 +368,22 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
     st.m[r] = m_new[n];
     corr_lanes[n] = m_old - m_new[n];  // -inf on the first tile, 0 while the max stays
   }
-  cs::store(corr_lanes, cs::exp(cs::load(corr_lanes)));  // every row's correction in one exp, lane by lane
+  const VF corr_all = cs::exp(cs::load(corr_lanes));  // every row's correction in one exp, lane by lane
+  if constexpr (!kPairs<E>) cs::store(corr_lanes, corr_all);
   VF corr[N];
   float* acc[N];
+#if defined(CHATSERVE_BF16)
+  cs::VB pp[N];  // the paired layout: row n's P as bf16 pairs
+#endif
   _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
     const int r = rows[n];
-    corr[n] = cs::broadcast(corr_lanes + n);
+    if constexpr (kPairs<E>) {
+#if defined(CHATSERVE_BF16)
+      corr[n] = cs::broadcast_lane(corr_all, n);
+#endif
+    } else {
+      corr[n] = cs::broadcast(corr_lanes + n);
+    }
     float* lv = st.lv + r * kTile;
     float* p = st.p + n * kTile;
     for (int v = 0; v < kTV; ++v) {
@@ -312,23 +398,45 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
         e = cs::select_lt(lane, first, cs::zero(), e);
         w = cs::select_lt(lane, first, cs::zero(), w);
       }
-      cs::store(p + v * kLanes, w);
+      if constexpr (kPairs<E>) {
+#if defined(CHATSERVE_BF16)
+        pp[n] = cs::to_bf16_pairs(w);
+#endif
+      } else {
+        cs::store(p + v * kLanes, w);
+      }
       cs::store(lv + v * kLanes, cs::fma(cs::load(lv + v * kLanes), corr[n], e));
     }
     acc[n] = st.acc + r * D;
   }
   constexpr int kFull = N / kPvRows * kPvRows;
-  for (int n = 0; n < kFull; n += kPvRows) pv_rows<kPvRows>(D, acc + n, corr + n, st.p + n * kTile, t);
-  if constexpr (N % kPvRows != 0) pv_rows<N % kPvRows>(D, acc + kFull, corr + kFull, st.p + kFull * kTile, t);
+  if constexpr (kPairs<E>) {
+#if defined(CHATSERVE_BF16)
+    for (int n = 0; n < kFull; n += kPvRows) pair_pv<kPvRows>(D, acc + n, corr + n, pp + n, t);
+    if constexpr (N % kPvRows != 0) pair_pv<N % kPvRows>(D, acc + kFull, corr + kFull, pp + kFull, t);
+#endif
+    return;
+  } else {
+    for (int n = 0; n < kFull; n += kPvRows) pv_rows<kPvRows>(D, acc + n, corr + n, st.p + n * kTile, t);
+    if constexpr (N % kPvRows != 0) pv_rows<N % kPvRows>(D, acc + kFull, corr + kFull, st.p + kFull * kTile, t);
+  }
 }
 
 // N rows reading the same tile: their scores (K read once for all), then their steps.
 template <int N, typename E>
 __attribute__((noinline)) void step(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, const int* rows, int64_t key0) {
-  const float* q[N];
-  for (int n = 0; n < N; ++n) q[n] = st.q + rows[n] * c.head_dim;
   VF s[N][kTV];
-  tile_scores<N>(t, q, c.head_dim, s);
+  if constexpr (kPairs<E>) {
+#if defined(CHATSERVE_BF16)
+    const uint16_t* q[N];
+    for (int n = 0; n < N; ++n) q[n] = c.q + qv[rows[n]].t * c.q_row_stride + qv[rows[n]].head * c.head_dim;
+    pair_scores<N>(t, q, c.head_dim, s);
+#endif
+  } else {
+    const float* q[N];
+    for (int n = 0; n < N; ++n) q[n] = st.q + rows[n] * c.head_dim;
+    tile_scores<N>(t, q, c.head_dim, s);
+  }
   softmax_pv<N>(c, st, t, s, qv, rows, key0);
 }
 
@@ -341,9 +449,15 @@ void step_rows(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, cons
   step<N, E>(c, st, t, qv, rows, key0);
 }
 
+// Rows scored together: kChunk, or 8 in the paired layout, whose P (one register a row) stays in
+// registers beside the V step's 16 accumulators (12 spilled them: AVX512 has 32).
+template <typename E>
+constexpr int kChunkOf = kPairs<E> ? 8 : kChunk;
+
 template <typename E>
 void run_rows(const Ctx& c, Scratch& st, const Tile<E>& t, const QVec* qv, const int* rows, int n, int64_t key0) {
-  for (int i = 0; i < n; i += kChunk) step_rows<kChunk, E>(c, st, t, qv, rows + i, std::min(kChunk, n - i), key0);
+  constexpr int chunk = kChunkOf<E>;
+  for (int i = 0; i < n; i += chunk) step_rows<chunk, E>(c, st, t, qv, rows + i, std::min(chunk, n - i), key0);
 }
 
 template <typename E>
@@ -351,8 +465,9 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
   const int64_t D = c.head_dim;
   int64_t max_pos = 0, min_lo = INT64_MAX;
   for (int64_t r = 0; r < n; ++r) {
-    const uint16_t* q = c.q + qv[r].t * c.q_row_stride + qv[r].head * D;
-    for (int64_t d = 0; d < D; d += kLanes) cs::store(st.q + r * D + d, cs::load_bf16(q + d));
+    [[maybe_unused]] const uint16_t* q = c.q + qv[r].t * c.q_row_stride + qv[r].head * D;
+    if constexpr (!kPairs<E>)  // the paired layout reads q in place as bf16 pairs
+      for (int64_t d = 0; d < D; d += kLanes) cs::store(st.q + r * D + d, cs::load_bf16(q + d));
     std::memset(st.acc + r * D, 0, D * sizeof(float));
     std::memset(st.lv + r * kTile, 0, kTile * sizeof(float));
     st.m[r] = -INFINITY;
@@ -391,7 +506,7 @@ void run_item(const Ctx& c, Scratch& st, const QVec* qv, int64_t n, int64_t kv_h
     const float* acc = st.acc + r * D;
     uint16_t* o = c.out + (qv[r].t * c.num_heads + qv[r].head) * D;
     alignas(64) float row[kMaxHeadDim];
-    if constexpr (kInt8<E>) {
+    if constexpr (kInt8<E> || kPairs<E>) {
       for (int64_t d = 0; d < D; d += kLanes) cs::store_bf16(o + d, cs::mul(cs::load(acc + d), inv));  // in order
       continue;
     }
@@ -585,7 +700,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
       if (int8)
         run_item<int8_t>(ctx, *st, local, n, it.kv_head);
       else
-        run_item<uint16_t>(ctx, *st, local, n, it.kv_head);
+        run_item<Bf16Layout>(ctx, *st, local, n, it.kv_head);
     }
   });
   return out;
@@ -626,6 +741,24 @@ void store_kv_paged_bf16(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache
   }
   const int64_t block = bs * KVH * D;
   uint16_t *kc = mutable_bits(k_cache), *vc = mutable_bits(v_cache);
+  if constexpr (cs::kBf16Dot) {  // the paired layout: K [D/2][bs] pairs, V [bs/2][D] key pairs
+    TORCH_CHECK(bs % 2 == 0, "block_size must be even");
+    at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        if (slots[t] < 0) continue;
+        const int64_t b = slots[t] / bs, o = slots[t] % bs;
+        for (int64_t h = 0; h < KVH; ++h) {
+          uint16_t* kd = kc + b * block + h * D * bs + 2 * o;  // pair c of key o at word c * bs + o
+          const uint16_t* krow = kp + t * ks + h * D;
+          for (int64_t c = 0; c < D / 2; ++c) std::memcpy(kd + 2 * c * bs, krow + 2 * c, 2 * sizeof(uint16_t));
+          uint16_t* vd = vc + b * block + h * D * bs + (o / 2) * 2 * D + o % 2;  // dim d of key o at word (o/2) * D + d
+          const uint16_t* vrow = vp + t * vs + h * D;
+          for (int64_t d = 0; d < D; ++d) vd[2 * d] = vrow[d];
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       if (slots[t] < 0) continue;

@@ -331,4 +331,27 @@ CS_INLINE VI dot_run_end(VI acc) { return {_mm256_madd_epi16(acc.v, _mm256_set1_
 #endif
 #endif
 
+// ------------------------------------------------------------------ attention micro-kernels
+// What only one tier has, behind the operations csrc/tier_attention.cpp's per-tile steps call. On
+// AVX512-BF16 (CHATSERVE_BF16) a score is a vdpbf16ps chain over head_dim's bf16 pairs and P.V one
+// over a tile's key pairs (P rounded to bf16, as SDPA's bf16 path does): half the instructions of
+// the fp32 FMA chains the other tiers run, so that tier keeps its own in-block layout of a bf16
+// cache (kBf16Dot says which the attention kernel uses).
+#if defined(CHATSERVE_BF16)
+constexpr bool kBf16Dot = true;
+// kLanes fp32 rounded to bf16 (vcvtneps2bf16: nearest even; denormals flushed, unlike store_bf16,
+// which is why this is only for P, e^(s - max) in [0, 1], where a flushed 1e-38 changes nothing),
+// packed in order into the low kLanes / 2 pairs (pair i: values 2i, 2i + 1)
+CS_INLINE VB to_bf16_pairs(VF a) { return {(__m512bh)_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a.v))}; }
+// pair i of a in every lane
+CS_INLINE VB broadcast_pair_lane(VB a, int i) {
+  return {(__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(i), (__m512i)a.v)};
+}
+// fp32 lane i of a in every lane (in registers: a vector store read back as a scalar broadcast can
+// miss store forwarding)
+CS_INLINE VF broadcast_lane(VF a, int i) { return {_mm512_permutexvar_ps(_mm512_set1_epi32(i), a.v)}; }
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 }  // namespace cs

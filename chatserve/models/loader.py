@@ -23,6 +23,15 @@ from chatserve.models.config import ModelConfig
 from chatserve.models.gguf_moe import gguf_moe_metadata
 from chatserve.models.hf_overrides import apply_hf_overrides
 from chatserve.models.hf_overrides import describe as describe_overrides
+from chatserve.models.metadata_folder import (  # noqa: F401 - re-exported: the names tests and callers know
+    METADATA_FORMAT,
+    cached_metadata_folder,
+    load_folder_tokenizer,
+    metadata_cache_root,
+    metadata_folder_key,
+    saved_metadata_config,
+    transformers_version,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -185,66 +194,6 @@ def load_tokenizer(source: ModelSource) -> Any:
         return AutoTokenizer.from_pretrained(source.folder, **kwargs)
 
 
-def load_folder_tokenizer(folder: str) -> Any:
-    """transformers' tokenizer of a GGUF metadata folder (`gguf_metadata_folder`)."""
-    from transformers import AutoTokenizer
-
-    # given the config, AutoTokenizer does not import the model's config class
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True, config=saved_metadata_config(folder))
-
-
-def transformers_version() -> str:
-    """The installed transformers' version, read without importing it (a second of a warm start)."""
-    import sys
-
-    module = sys.modules.get("transformers")
-    if module is not None:
-        return str(module.__version__)
-    from importlib.metadata import version
-
-    return version("transformers")
-
-
-def saved_metadata_config(folder: str, hf_overrides: Mapping[str, Any] | None = None) -> Any:
-    """The config.json of a GGUF metadata folder (`gguf_metadata_folder`), read without importing
-    the model's own config class: a `PreTrainedConfig` subclass named by its model_type.
-
-    Why: importing e.g. `LlamaConfig` imports transformers' weight-loading code, and with it
-    torch.distributed.tensor and sympy: ~65 MiB of resident memory, a quarter of the default
-    model's bf16 weights, for nothing the engine reads. The folder was written by
-    `save_pretrained` of the real class, which leaves out only values equal to the base class's
-    defaults, so the base class reads back the same values; keys the base class would drop
-    (generation settings such as use_cache) are set as plain attributes, so `to_dict()` matches.
-    """
-    from transformers import PreTrainedConfig
-
-    path = Path(folder, "config.json")
-    values = apply_hf_overrides(json.loads(path.read_text()), hf_overrides)
-    model_type = values.get("model_type", "")
-    cls: type[PreTrainedConfig] = type("SavedMetadataConfig", (PreTrainedConfig,), {"model_type": model_type})
-    config = cls.from_dict(values)
-    for key, value in values.items():
-        if not hasattr(config, key):
-            setattr(config, key, value)
-    config._name_or_path = str(folder)
-    return config
-
-
-# Bumped when what is saved from a GGUF's metadata changes (the config facts models/gguf_families.py and
-# gguf_moe.py add to transformers' conversion; 3: tokenizer_config.json lists the added tokens): a
-# folder converted by older code is converted again.
-METADATA_FORMAT = 3
-
-
-def metadata_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """chatserve's cache folder, where converted GGUF metadata is kept: `cache_dir` (`EngineArgs.cache_dir`,
-    which `EngineArgs.from_env` fills from $CHATSERVE_CACHE_DIR or $XDG_CACHE_HOME/chatserve), else
-    ~/.cache/chatserve."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    return Path.home() / ".cache" / "chatserve"
-
-
 @contextlib.contextmanager
 def _gguf_metadata_parsed_once() -> Iterator[None]:
     """Within the block, transformers' metadata-only GGUF reads (load_gguf_checkpoint with
@@ -298,7 +247,7 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
     from chatserve.models.gguf_header import read_gguf_header
     from chatserve.models.gguf_skeleton import tokenizer_key
 
-    where = _metadata_folder_key(source)
+    where = metadata_folder_key(source)
     if where is None:
         return None  # let transformers report the missing file
     path, key, folder = where
@@ -335,30 +284,6 @@ def gguf_metadata_folder(source: ModelSource) -> str | None:
         return None
     logger.info("converted %s's metadata once into %s (%s)", path.name, folder, how)
     return str(folder) if (folder / "config.json").is_file() else None
-
-
-def _metadata_folder_key(source: ModelSource) -> tuple[Path, str, Path] | None:
-    """(the GGUF's resolved path, its key, its metadata folder) of `gguf_metadata_folder`; None where
-    the file cannot be read."""
-    import hashlib
-
-    assert source.gguf_file is not None
-    path = Path(source.folder, source.gguf_file).resolve()
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers_version()}|{METADATA_FORMAT}"
-    return path, key, metadata_cache_root(source.cache_dir) / "gguf-metadata" / hashlib.sha256(key.encode()).hexdigest()[:24]
-
-
-def cached_metadata_folder(source: ModelSource) -> str | None:
-    """`gguf_metadata_folder(source)` where an earlier start wrote it, else None (nothing is written)."""
-    where = _metadata_folder_key(source)
-    if where is None:
-        return None
-    folder = where[2]
-    return str(folder) if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file() else None
 
 
 def _parse_whole(source: ModelSource, path: Path, header: Any) -> tuple[Any, Any]:

@@ -4,7 +4,7 @@ Why: building the `tokenizers` backend from its JSON (SmolLM2: 49k tokens and me
 milliseconds of a warm start, spent in Rust with the GIL released, so it can run beside `import torch`
 (`chatserve serve` starts it before importing the engine) or beside mapping the weights and loading
 the kernels (`build_engine_parts`). Only a metadata folder written by an earlier start is read here
-(`loader.cached_metadata_folder`): a first start converts nothing on this thread, and where anything
+(`metadata_folder.cached_metadata_folder`): a first start converts nothing on this thread, and where anything
 fails `load_tokenizer` simply loads the tokenizer itself.
 """
 
@@ -24,7 +24,7 @@ _pending: dict[str, Future] = {}  # metadata folder -> its SavedTokenizer, being
 def prefetch_tokenizer(source: Any) -> None:
     """Start reading `source`'s saved tokenizer (a `ModelSource`) on a daemon thread, where its
     metadata folder and saved tokenizer exist; no-op otherwise or if already started."""
-    from chatserve.models.loader import cached_metadata_folder
+    from chatserve.models.metadata_folder import cached_metadata_folder
     from chatserve.models.saved_tokenizer import has_saved_tokenizer
 
     try:

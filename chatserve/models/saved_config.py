@@ -67,9 +67,9 @@ class SavedConfig:
         return copy.deepcopy(vars(self))
 
     def to_transformers(self) -> Any:
-        """transformers' config of the same metadata folder (`loader.saved_metadata_config`): what a
+        """transformers' config of the same metadata folder (`metadata_folder.saved_metadata_config`): what a
         start without the saved dict returns."""
-        from chatserve.models.loader import saved_metadata_config
+        from chatserve.models.metadata_folder import saved_metadata_config
 
         return saved_metadata_config(self.name_or_path)
 

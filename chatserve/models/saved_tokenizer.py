@@ -334,7 +334,7 @@ class SavedTokenizer:
         `add_special_tokens`) are not in it."""
         with self._hf_lock:
             if self._hf is None:
-                from chatserve.models.loader import load_folder_tokenizer
+                from chatserve.models.metadata_folder import load_folder_tokenizer
 
                 self._hf = load_folder_tokenizer(self.name_or_path)
             return self._hf

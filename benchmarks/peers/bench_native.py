@@ -115,11 +115,7 @@ def file_info(path: str) -> FileInfo:
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     params = sum(int(t.n_elements) for t in reader.tensors)
     read = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
-    name = reader.fields.get("general.name")
-    label = Path(path).stem
-    if name is not None:
-        label = bytes(name.parts[name.data[0]]).decode(errors="replace") + f" ({Path(path).stem})"
-    return FileInfo(path=path, label=label, file_bytes=os.path.getsize(path), read_bytes_per_token=read, params=params)
+    return FileInfo(path=path, label=Path(path).stem, file_bytes=os.path.getsize(path), read_bytes_per_token=read, params=params)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -320,7 +316,8 @@ def main() -> int:
     p.add_argument("--long-prefill", type=int, default=2000, help="also on models under 5B parameters (0: never)")
     p.add_argument("--batch", type=int, default=8, help="concurrent streams of the batched decode (0: skip)")
     p.add_argument("--quick", action="store_true", help="decode b1 and prefill --prefill only")
-    p.add_argument("--kv-gb", type=float, default=1.0, help="chatserve's KV pool")
+    p.add_argument("--kv-gb", type=float, default=None,
+                   help="chatserve's KV pool in GB [default: its own, sized for the longest prompt + --n-gen]")
     p.add_argument("--mainline-bin", type=Path, help="folder of llama.cpp's binaries [build_native.sh's]")
     p.add_argument("--ik-bin", type=Path, help="folder of ik_llama.cpp's binaries [build_native.sh's]")
     p.add_argument("--timeout", type=float, default=1800)

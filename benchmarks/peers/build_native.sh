@@ -106,9 +106,18 @@ EOF
             >"$root/common/cmake/build-info-gen-cpp.cmake"
 }
 
-build_engine() {  # name
+build_engine() {  # name: under a lock, so two runs never share one build folder
     local name=$1 dir
     dir=$(build_dir "$name")
+    mkdir -p "$NATIVE_CACHE"
+    (
+        flock 9
+        _build_engine_locked "$name" "$dir"
+    ) 9>"$dir.lock"
+}
+
+_build_engine_locked() {  # name dir
+    local name=$1 dir=$2
     engine_spec "$name"
     if [ -f "$dir/COMPLETE" ]; then
         log "$name: cached in $dir/bin"

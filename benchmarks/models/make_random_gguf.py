@@ -208,7 +208,7 @@ def write_llama_gguf(path: Path, shape: ModelShape, qtype: int, tokenizer_gguf: 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for name, kind, dims, std in plan:
+    for _name, kind, dims, std in plan:
         if kind == "q":
             data = random_quant_blocks(qtype, dims[0], dims[1], std, rng)
         elif kind == "norm":

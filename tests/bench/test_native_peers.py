@@ -48,7 +48,7 @@ def tokenizer_gguf():
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_each_family_writes_a_gguf_both_readers_agree_on(writer, tokenizer_gguf, tmp_path, preset, qtype):
-    from gguf import GGUFReader, GGMLQuantizationType, dequantize
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
     from chatserve.models.gguf_header import read_array, read_gguf_header
     from chatserve.models.loader import load_hf_config, resolve_model

@@ -357,6 +357,9 @@ def main() -> int:
                      else run_native(e, bins[e], f.path, args, prefill_of[f.path]))
                 for err in m.errors:
                     bc.log("main", "ERROR " + err)
+                bc.log("main", f"  decode b1 {bc.fmt(m.decode_b1, '{:.1f}')} tok/s, prefill "
+                               f"{ {k: round(v, 2) for k, v in m.prefill_s.items()} } s, decode b{args.batch} "
+                               f"{bc.fmt(m.decode_b8, '{:.1f}')} tok/s, peak RSS {bc.fmt(m.peak_rss_mib, '{:.0f}')} MiB")
                 runs[f.path][e].append(m)
 
     tier = next((m.info.get("kernel_tier") for f in files for m in runs[f.path].get("chatserve", []) if m.info), None)

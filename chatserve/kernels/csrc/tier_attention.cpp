@@ -38,8 +38,12 @@
 // bit-exact with kernels/kv_quant.py). In a block's head region K is [D][block_size] quants then the
 // block_size scales, V [block_size][D] then the scales. A tile's scores are the FMA chains above over
 // the quants widened exactly, times k_scale * scale per key; the V step weights key i by p_i * v_scale_i
-// (l sums p); the same on every tier (no tier has an int8 x bf16 dot product, and widening a quant
-// costs what widening a bf16 does, so the halved bytes are the gain).
+// (l sums p). AVX2 and AVX512-VNNI widen each quant to fp32 where the bf16 path widens a bf16 (no tier
+// has an int8 x bf16 dot product), so the halved bytes are the gain. AVX512-BF16 widens a tile's quants
+// once, for all the rows that read it, to bf16 pairs in the paired layout (exact: |q| <= 127) and runs
+// the bf16 tile's vdpbf16ps steps on them (Int8Pair; P times v_scale, then rounded to bf16): int8 costs
+// about what bf16 does there where rows share tiles (prefill, extend), less where bytes dominate (a
+// decode batch). The arithmetic differs per tier (determinism is per tier), one fixed order per row.
 // Speed (Zen 3, AVX2, SmolLM2's 9 x 3 heads of 64, benchmarks/kernels/bench_tier_attention.py): a 1,000-token
 // causal prefill ~20 ms a layer on one core (~75% of the FMA peak; torch SDPA in fp32 ~25 ms),
 // ~11-13 ms on two (SDPA ~14-17); decode at 4,000 keys ~0.18 ms on two (SDPA ~0.35). Scoring two tiles at once for a decode's few rows was
@@ -117,6 +121,8 @@ struct Scratch {
   alignas(64) uint16_t kt[kMaxHeadDim * kTile];  // [D][16 keys]: a tile's K from blocks of < kLanes keys
   alignas(64) float ks[kTile];                   // int8: the tile's K scales (key i in lane i), V scales
   alignas(64) float vs[kTile];
+  alignas(64) int32_t kw[kMaxHeadDim / 2 * kTile];  // AVX512-BF16, int8: a tile's K quants as bf16 pairs [D/2][16 keys]
+  alignas(64) int32_t vw[kTile / 2 * kMaxHeadDim];  // and its V as key pairs [8][D]
   float m[kMaxItemRows];
 };
 
@@ -132,10 +138,20 @@ constexpr bool kInt8 = std::is_same_v<E, int8_t>;
 // [block_size/2][D] pairs of consecutive keys (keys 2j, 2j + 1 of dim d in word j * D + d): a score
 // is a vdpbf16ps chain over the pairs of head_dim, P.V one over the tile's 8 key pairs.
 struct Bf16Pair { int32_t bits; };
+// The AVX512-BF16 tier's int8 arithmetic: the cache's bytes as everywhere (the int8 layout below), a
+// tile's quants widened once to bf16 pairs in the thread's scratch (exact: |q| <= 127; kw, vw) for
+// all the rows that read the tile, in Bf16Pair's layout, then scored and weighted with vdpbf16ps
+// like a bf16 tile, the per-key scales applied as on the other tiers (scores times k_scale; P times
+// v_scale before P is rounded to bf16).
+struct Int8Pair { int32_t bits; };
 template <typename E>
-constexpr bool kPairs = std::is_same_v<E, Bf16Pair>;
-// A bf16 cache's layout on this tier
+constexpr bool kPairs = std::is_same_v<E, Bf16Pair> || std::is_same_v<E, Int8Pair>;
+// per-key scales (an 8-bit cache, read as quants or as widened pairs)
+template <typename E>
+constexpr bool kScaled = std::is_same_v<E, int8_t> || std::is_same_v<E, Int8Pair>;
+// A bf16 cache's layout on this tier, and how an int8 one is read
 using Bf16Layout = std::conditional_t<cs::kBf16Dot, Bf16Pair, uint16_t>;
+using Int8Layout = std::conditional_t<cs::kBf16Dot, Int8Pair, int8_t>;
 template <typename E>
 constexpr int64_t row_elems(int64_t D) { return kInt8<E> ? D + 4 : D; }
 
@@ -169,13 +185,32 @@ inline Tile<E> locate_tile(const Ctx& c, Scratch& st, const int64_t* blocks, int
   const E* kc = static_cast<const E*>(c.k);
   const E* vc = static_cast<const E*>(c.v);
   E* kt = reinterpret_cast<E*>(st.kt);
-  // key i of the tile: its block's (K or V) head base, and its slot in the block
-  auto base = [&](const E* cache, int64_t i) { return cache + blocks[bs >= kTile ? 0 : i / bs] * block + kv_head * head; };
-  auto slot = [&](int64_t i) { return (key0 + i) % bs; };
+  // key i of the tile: its block's (K or V) head base, and its slot in the block. Blocks of 16 or
+  // more keys hold the whole tile (keys off .. off + 15); smaller ones are 2, 4 or 8 keys, a power
+  // of two (masks and shifts: a tile's 16 runtime divisions were a decode step's largest cost).
+  const bool whole = bs >= kTile;
+  const int64_t off = whole ? key0 % bs : 0, shift = whole ? 0 : __builtin_ctzll(static_cast<uint64_t>(bs));
+  auto base = [&](const E* cache, int64_t i) { return cache + blocks[whole ? 0 : i >> shift] * block + kv_head * head; };
+  auto slot = [&](int64_t i) { return whole ? off + i : (i & (bs - 1)); };
   Tile<E> t;
+#if defined(CHATSERVE_BF16)
+  if constexpr (std::is_same_v<E, Int8Pair>) {  // the quants' tile, widened to bf16 pairs once
+    const Tile<int8_t> q = locate_tile<int8_t>(c, st, blocks, key0, kv_head);
+    for (int64_t p = 0; p < D / 2; ++p)
+      cs::store_pairs(st.kw + p * kTile, cs::s8_pairs(q.k[0] + 2 * p * q.k_stride, q.k[0] + (2 * p + 1) * q.k_stride));
+    for (int j = 0; j < kTile / 2; ++j)
+      for (int64_t d = 0; d < D; d += kLanes) cs::store_pairs(st.vw + j * D + d, cs::s8_pairs(q.v[2 * j] + d, q.v[2 * j + 1] + d));
+    t.k[0] = reinterpret_cast<const E*>(st.kw);
+    t.k_stride = kTile;
+    for (int j = 0; j < kTile / 2; ++j) t.v[j] = reinterpret_cast<const E*>(st.vw) + j * D;
+    t.ks = q.ks;
+    t.vs = q.vs;
+    return t;
+  } else
+#endif
   if constexpr (kPairs<E>) {  // in 32-bit words: a head's region is bs * D / 2 of them
     const int64_t pairs = D / 2, head_w = bs * pairs, block_w = c.num_kv_heads * head_w;
-    auto pair_base = [&](const E* cache, int64_t i) { return cache + blocks[bs >= kTile ? 0 : i / bs] * block_w + kv_head * head_w; };
+    auto pair_base = [&](const E* cache, int64_t i) { return cache + blocks[whole ? 0 : i >> shift] * block_w + kv_head * head_w; };
     for (int i = 0; i < kTile / 2; ++i) t.v[i] = pair_base(vc, 2 * i) + slot(2 * i) / 2 * D;
     t.ks = t.vs = nullptr;
     if (bs >= kTile) {
@@ -228,8 +263,8 @@ CS_INLINE VF load_keys(const int8_t* p) { return cs::load_s8(p); }
 #if defined(CHATSERVE_BF16)
 // Scores of N rows against the tile's 16 keys in the paired layout: per row one vdpbf16ps chain over
 // head_dim's pairs, q read as bf16 pairs straight from the query row.
-template <int N>
-CS_INLINE void pair_scores(const Tile<Bf16Pair>& t, const uint16_t* const* q, int64_t D, VF (&s)[N][kTV]) {
+template <int N, typename E>
+CS_INLINE void pair_scores(const Tile<E>& t, const uint16_t* const* q, int64_t D, VF (&s)[N][kTV]) {
   _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) s[n][0] = cs::zero();
   for (int64_t c = 0; c < D / 2; ++c) {
     const cs::VB k = cs::load_bf16_pairs(reinterpret_cast<const uint16_t*>(t.k[0] + c * t.k_stride));
@@ -240,8 +275,8 @@ CS_INLINE void pair_scores(const Tile<Bf16Pair>& t, const uint16_t* const* q, in
 // The V part of one step for NR rows, NV vectors of dims from d, in the paired layout: acc = acc *
 // corr, then the tile's key pairs in order, acc += P pair . V pair (vdpbf16ps; P as bf16 pairs, row
 // r's in p[r], kept in registers). The rows share every V load.
-template <int NR, int NV>
-CS_INLINE void pair_pv_block(float* const* acc, const VF* corr, const cs::VB* p, const Tile<Bf16Pair>& t, int64_t d) {
+template <int NR, int NV, typename E>
+CS_INLINE void pair_pv_block(float* const* acc, const VF* corr, const cs::VB* p, const Tile<E>& t, int64_t d) {
   VF a[NR][NV];
   _Pragma("GCC unroll 4") for (int r = 0; r < NR; ++r)
     _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) a[r][j] = cs::mul(cs::load(acc[r] + d + j * kLanes), corr[r]);
@@ -257,8 +292,8 @@ CS_INLINE void pair_pv_block(float* const* acc, const VF* corr, const cs::VB* p,
     _Pragma("GCC unroll 4") for (int j = 0; j < NV; ++j) cs::store(acc[r] + d + j * kLanes, a[r][j]);
 }
 
-template <int NR>
-CS_INLINE void pair_pv(int64_t D, float* const* acc, const VF* corr, const cs::VB* p, const Tile<Bf16Pair>& t) {
+template <int NR, typename E>
+CS_INLINE void pair_pv(int64_t D, float* const* acc, const VF* corr, const cs::VB* p, const Tile<E>& t) {
   int64_t d = 0;
   for (; d + 4 * kLanes <= D; d += 4 * kLanes) pair_pv_block<NR, 4>(acc, corr, p, t, d);
   if (d < D) pair_pv_block<NR, 2>(acc, corr, p, t, d);  // head_dim is a multiple of 32
@@ -338,7 +373,7 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
                           int64_t key0) {
   const int64_t D = c.head_dim;
   VF key_scale[kTV], v_scale[kTV];
-  if constexpr (kInt8<E>) {
+  if constexpr (kScaled<E>) {
     for (int v = 0; v < kTV; ++v) {
       key_scale[v] = cs::mul(cs::load(t.ks + v * kLanes), cs::set1(c.scale));
       v_scale[v] = cs::load(t.vs + v * kLanes);
@@ -347,7 +382,8 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
   // per row: scores scaled and masked past pos (partial tiles only: on a full tile the mask keeps
   // every lane, the same bits), the new running max, and m_old - m_new into lane n of one vector
   const VF scale = cs::set1(c.scale);
-  alignas(64) float corr_lanes[kLanes] = {};
+  VF diff = cs::zero();  // lane n: row n's m_old - m_new (lanes past N: the last row's; unused)
+  const VF lanes = cs::load(kLaneIndex);
   float m_new[N];
   int valid[N], below[N];
   _Pragma("GCC unroll 16") for (int n = 0; n < N; ++n) {
@@ -356,7 +392,7 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
     below[n] = static_cast<int>(qv[r].lo - key0);  // lanes before a sliding window's first key (< kTile)
     VF top = cs::set1(-INFINITY);
     for (int v = 0; v < kTV; ++v) {
-      s[n][v] = cs::mul(s[n][v], kInt8<E> ? key_scale[v] : scale);
+      s[n][v] = cs::mul(s[n][v], kScaled<E> ? key_scale[v] : scale);
       if (c.softcap > 0.0f) s[n][v] = cs::mul(tanh(cs::div(s[n][v], cs::set1(c.softcap))), cs::set1(c.softcap));
       if (valid[n] < kTile) s[n][v] = cs::keep_first(s[n][v], valid[n] - v * kLanes, -INFINITY);
       if (below[n] > 0)
@@ -366,9 +402,12 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
     const float m_old = st.m[r];
     m_new[n] = std::max(m_old, cs::hmax(top));
     st.m[r] = m_new[n];
-    corr_lanes[n] = m_old - m_new[n];  // -inf on the first tile, 0 while the max stays
+    // -inf on the first tile, 0 while the max stays; in registers (scalar stores read back as a
+    // vector miss store forwarding: a stall a step)
+    diff = cs::select_lt(lanes, cs::set1(static_cast<float>(n)), diff, cs::set1(m_old - m_new[n]));
   }
-  const VF corr_all = cs::exp(cs::load(corr_lanes));  // every row's correction in one exp, lane by lane
+  const VF corr_all = cs::exp(diff);  // every row's correction in one exp, lane by lane
+  alignas(64) float corr_lanes[kLanes];
   if constexpr (!kPairs<E>) cs::store(corr_lanes, corr_all);
   VF corr[N];
   float* acc[N];
@@ -388,7 +427,7 @@ CS_INLINE void softmax_pv(const Ctx& c, Scratch& st, const Tile<E>& t, VF (&s)[N
     float* p = st.p + n * kTile;
     for (int v = 0; v < kTV; ++v) {
       VF e = cs::exp(cs::sub(s[n][v], cs::set1(m_new[n])));
-      VF w = kInt8<E> ? cs::mul(e, v_scale[v]) : e;  // the V step's weights
+      VF w = kScaled<E> ? cs::mul(e, v_scale[v]) : e;  // the V step's weights
       if (valid[n] < kTile) {
         e = cs::keep_first(e, valid[n] - v * kLanes, 0.0f);
         w = cs::keep_first(w, valid[n] - v * kLanes, 0.0f);
@@ -698,7 +737,7 @@ torch::Tensor paged_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch
         local[r].head += it.kv_head * rep;
       }
       if (int8)
-        run_item<int8_t>(ctx, *st, local, n, it.kv_head);
+        run_item<Int8Layout>(ctx, *st, local, n, it.kv_head);
       else
         run_item<Bf16Layout>(ctx, *st, local, n, it.kv_head);
     }

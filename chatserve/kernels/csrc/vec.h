@@ -350,6 +350,15 @@ CS_INLINE VB broadcast_pair_lane(VB a, int i) {
 // fp32 lane i of a in every lane (in registers: a vector store read back as a scalar broadcast can
 // miss store forwarding)
 CS_INLINE VF broadcast_lane(VF a, int i) { return {_mm512_permutexvar_ps(_mm512_set1_epi32(i), a.v)}; }
+// kLanes pairs (lo[i], hi[i]) of int8 quants as bf16, exactly (|q| <= 127 has 7 significant bits):
+// each widened to fp32, whose upper half is then its bf16; pair i's low half is lo[i]. How an 8-bit
+// cache's tile is scored and weighted with vdpbf16ps (a quant's scale applies per key, after).
+CS_INLINE VB s8_pairs(const int8_t* lo, const int8_t* hi) {
+  const __m512i l = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)))));
+  const __m512i h = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)))));
+  return {(__m512bh)_mm512_mask_blend_epi16(static_cast<__mmask32>(0xAAAAAAAAu), _mm512_srli_epi32(l, 16), h)};
+}
+CS_INLINE void store_pairs(void* p, VB a) { _mm512_storeu_si512(p, (__m512i)a.v); }
 #else
 constexpr bool kBf16Dot = false;
 #endif

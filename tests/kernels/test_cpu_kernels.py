@@ -360,13 +360,20 @@ def test_tier_huge_page_zeros_and_release(fused):
 def test_tier_rounding_to_bf16_is_torchs_for_denormals_and_nan(fused):
     """store_bf16's bits on every tier, denormals and NaN included: the residual add rounds the fp32 sum
     of two bf16 values as torch's add does (the AVX512-BF16 tier's one-instruction rounding would flush
-    a denormal sum to zero; vec.h takes the integer steps for such vectors), and a NaN is c10's 0x7FC0."""
+    a denormal sum to zero; vec.h takes the integer steps for such vectors), and a NaN is c10's 0x7FC0.
+    Full vectors are stored two at a time (store_bf16_x2): rows 4 and 5 hold one denormal sum, in the
+    second and in the first vector of the pair."""
     gen = torch.Generator().manual_seed(17)
-    d = 2 * fused.lanes() + 3  # full vectors and a tail
-    tiny = torch.randint(1, 0x7F, (4, d), generator=gen, dtype=torch.int16).view(torch.bfloat16)  # bf16 denormals
+    lanes = fused.lanes()
+    d = 2 * lanes + 3  # a pair of full vectors and a tail
+    tiny = torch.randint(1, 0x7F, (6, d), generator=gen, dtype=torch.int16).view(torch.bfloat16)  # bf16 denormals
     x = tiny.clone()
     x[1] = (torch.randn(d, generator=gen) * 1e-3).to(torch.bfloat16)  # a row of normals: the one-instruction path
-    residual = torch.randint(1, 0x7F, (4, d), generator=gen, dtype=torch.int16).view(torch.bfloat16).neg()
+    residual = torch.randint(1, 0x7F, (6, d), generator=gen, dtype=torch.int16).view(torch.bfloat16).neg()
+    for row, col in ((4, lanes + 1), (5, 2)):  # normals but for one denormal sum, 0x40 - 0x10 (in bf16 bits)
+        x[row] = (torch.randn(d, generator=gen) * 1e-3).to(torch.bfloat16)
+        x[row, col] = torch.tensor(0x40, dtype=torch.int16).view(torch.bfloat16)
+        residual[row, col] = torch.tensor(0x10, dtype=torch.int16).view(torch.bfloat16).neg()
     residual[2, 5] = float("nan")
     expect = residual + x
     w = torch.ones(d, dtype=torch.bfloat16)
@@ -375,6 +382,8 @@ def test_tier_rounding_to_bf16_is_torchs_for_denormals_and_nan(fused):
     assert torch.equal(residual[finite].view(torch.int16), expect[finite].view(torch.int16))
     assert residual.isnan().sum() == 1 and int(residual[2, 5].view(torch.int16)) == 0x7FC0
     assert bool((residual[0] != 0).any())  # denormal sums kept, not flushed
+    for row, col in ((4, lanes + 1), (5, 2)):
+        assert int(residual[row, col].view(torch.int16)) == 0x30, (row, col)  # kept, not flushed to zero
 
 
 UNRUNNABLE_TIERS = unrunnable_tiers(CAP)

@@ -7,7 +7,9 @@
 // bf16 once (store_bf16: round to nearest even, as torch rounds).
 //
 // How: kLanes values at a time, then one partial vector for any tail (load_bf16_n: the missing
-// lanes read as 0, which add nothing to a sum of squares), so every width is accepted. A row's
+// lanes read as 0, which add nothing to a sum of squares), so every width is accepted. The full
+// vectors run in a loop of their own with the tail after it (not a width test in every step): the
+// same operations in the same order, so the same bits, in a loop the compiler keeps tight. A row's
 // reductions run in one fixed order (one fma chain over the lanes' columns, then hsum's fixed
 // tree) and rows never interact, so a row's bits do not depend on the other rows of the call or on
 // how the rows are split over threads.
@@ -46,35 +48,56 @@ CS_INLINE void store_part(bf16* p, cs::VF v, int64_t left) {
   }
 }
 
+// out[0, n) = full(i) for each full vector at i (two at a time: store_bf16_x2), then part(i, left)
+// for a partial tail: every value by the same steps wherever it sits, so the same bits as one vector
+// at a time.
+template <class Full, class Part>
+CS_INLINE void store_row(bf16* out, int64_t n, Full full, Part part) {
+  const int64_t nv = n - n % cs::kLanes;
+  int64_t i = 0;
+  for (; i + 2 * cs::kLanes <= nv; i += 2 * cs::kLanes) cs::store_bf16_x2(out + i, full(i), full(i + cs::kLanes));
+  if (i < nv) cs::store_bf16(out + i, full(i));
+  if (nv < n) cs::store_bf16_n(out + nv, part(nv, static_cast<int>(n - nv)), static_cast<int>(n - nv));
+}
+
 // out = row / rms(row) * w: the sum of squares as one fma chain per lane over the row's vectors
 // (the tail vector last), the lanes added in hsum's tree; then (v * r) * w, rounded once.
 void rms_norm_row(const bf16* row, const bf16* w, bf16* out, int64_t D, float eps) {
+  const int64_t Dv = D - D % cs::kLanes;  // full vectors; then one partial one if D % kLanes
+  const int tail = static_cast<int>(D - Dv);
   cs::VF ss = cs::zero();
-  for (int64_t d = 0; d < D; d += cs::kLanes) {
-    const cs::VF v = load_part(row + d, D - d);
+  for (int64_t d = 0; d < Dv; d += cs::kLanes) {
+    const cs::VF v = cs::load_bf16(row + d);
+    ss = cs::fma(v, v, ss);
+  }
+  if (tail) {
+    const cs::VF v = cs::load_bf16_n(row + Dv, tail);
     ss = cs::fma(v, v, ss);
   }
   const float r = 1.0f / std::sqrt(cs::hsum(ss) / static_cast<float>(D) + eps);
   const cs::VF rv = cs::set1(r);
-  for (int64_t d = 0; d < D; d += cs::kLanes)
-    store_part(out + d, cs::mul(cs::mul(load_part(row + d, D - d), rv), load_part(w + d, D - d)), D - d);
+  store_row(out, D, [&](int64_t d) { return cs::mul(cs::mul(cs::load_bf16(row + d), rv), cs::load_bf16(w + d)); },
+            [&](int64_t d, int n) { return cs::mul(cs::mul(cs::load_bf16_n(row + d, n), rv), cs::load_bf16_n(w + d, n)); });
 }
 
 // out = row / rms(row) * w with an fp32 weight (Gemma's 1 + w, kept in fp32 so it is not rounded to
 // bf16): the sum of squares as rms_norm_row's, then (v * r) * w, rounded to bf16 once.
 void rms_norm_f32w_row(const bf16* row, const float* w, bf16* out, int64_t D, float eps) {
+  const int64_t Dv = D - D % cs::kLanes;
+  const int tail = static_cast<int>(D - Dv);
   cs::VF ss = cs::zero();
-  for (int64_t d = 0; d < D; d += cs::kLanes) {
-    const cs::VF v = load_part(row + d, D - d);
+  for (int64_t d = 0; d < Dv; d += cs::kLanes) {
+    const cs::VF v = cs::load_bf16(row + d);
+    ss = cs::fma(v, v, ss);
+  }
+  if (tail) {
+    const cs::VF v = cs::load_bf16_n(row + Dv, tail);
     ss = cs::fma(v, v, ss);
   }
   const float r = 1.0f / std::sqrt(cs::hsum(ss) / static_cast<float>(D) + eps);
   const cs::VF rv = cs::set1(r);
-  for (int64_t d = 0; d < D; d += cs::kLanes) {
-    const int64_t left = D - d;
-    const cs::VF wv = left >= cs::kLanes ? cs::load(w + d) : cs::load_n(w + d, static_cast<int>(left));
-    store_part(out + d, cs::mul(cs::mul(load_part(row + d, left), rv), wv), left);
-  }
+  store_row(out, D, [&](int64_t d) { return cs::mul(cs::mul(cs::load_bf16(row + d), rv), cs::load(w + d)); },
+            [&](int64_t d, int n) { return cs::mul(cs::mul(cs::load_bf16_n(row + d, n), rv), cs::load_n(w + d, n)); });
 }
 
 // tanh(x): Eigen's rational approximation (odd degree-13 over even degree-6 polynomial in x, the
@@ -95,6 +118,16 @@ CS_INLINE cs::VF tanh_vf(cs::VF a) {
   q = cs::fma(x2, q, cs::set1(2.26843463243900e-03f));
   q = cs::fma(x2, q, cs::set1(4.89352518554385e-03f));
   return cs::select_lt(cs::abs(a), cs::set1(4e-4f), a, cs::div(p, q));
+}
+
+// silu(g) * u = g / (1 + e^-g) * u, rounded by the caller. exp wants x <= 0, so e^-|g| and the
+// sigmoid flipped (1 - s) for g < 0, as a masked subtract.
+CS_INLINE cs::VF silu_times(cs::VF g, cs::VF u) {
+  const cs::VF one = cs::set1(1.0f);
+  const cs::VF e = cs::exp(cs::sub(cs::zero(), cs::abs(g)));             // e^-|g| in (0, 1]
+  const cs::VF sig_pos = cs::div(one, cs::add(one, e));                  // sigmoid(|g|)
+  const cs::VF sig = cs::sub_where_lt(g, cs::zero(), one, sig_pos, sig_pos);  // sigmoid(g)
+  return cs::mul(cs::mul(g, sig), u);
 }
 
 // gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), as torch's approximate="tanh"
@@ -142,8 +175,8 @@ torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::
     for (int64_t m = m0; m < m1; ++m) {
       bf16* r = rp + m * D;
       const bf16* xr = xp + m * D;
-      for (int64_t d = 0; d < D; d += cs::kLanes)
-        store_part(r + d, cs::add(load_part(r + d, D - d), load_part(xr + d, D - d)), D - d);
+      store_row(r, D, [&](int64_t d) { return cs::add(cs::load_bf16(r + d), cs::load_bf16(xr + d)); },
+                [&](int64_t d, int n) { return cs::add(cs::load_bf16_n(r + d, n), cs::load_bf16_n(xr + d, n)); });
       rms_norm_row(r, wp, yp + m * D, D, static_cast<float>(eps));
     }
   });
@@ -159,18 +192,12 @@ torch::Tensor silu_mul_bf16(torch::Tensor x) {
   const bf16* xp = bits(x);
   bf16* yp = mutable_bits(y);
   at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
-    const cs::VF one = cs::set1(1.0f);
     for (int64_t m = m0; m < m1; ++m) {
       const bf16* gate = xp + m * 2 * I;
       const bf16* up = gate + I;
-      for (int64_t i = 0; i < I; i += cs::kLanes) {
-        const cs::VF g = load_part(gate + i, I - i);
-        // silu(g) = g / (1 + e^-g); exp wants x <= 0, so use e^-|g| and flip for g < 0
-        const cs::VF e = cs::exp(cs::sub(cs::zero(), cs::abs(g)));  // e^-|g| in (0, 1]
-        const cs::VF sig_pos = cs::div(one, cs::add(one, e));       // sigmoid(|g|)
-        const cs::VF sig = cs::select_lt(g, cs::zero(), cs::sub(one, sig_pos), sig_pos);  // sigmoid(g)
-        store_part(yp + m * I + i, cs::mul(cs::mul(g, sig), load_part(up + i, I - i)), I - i);
-      }
+      bf16* out = yp + m * I;
+      store_row(out, I, [&](int64_t i) { return silu_times(cs::load_bf16(gate + i), cs::load_bf16(up + i)); },
+                [&](int64_t i, int n) { return silu_times(cs::load_bf16_n(gate + i, n), cs::load_bf16_n(up + i, n)); });
     }
   });
   return y;
@@ -188,8 +215,8 @@ torch::Tensor gelu_tanh_mul_bf16(torch::Tensor x) {
     for (int64_t m = m0; m < m1; ++m) {
       const bf16* gate = xp + m * 2 * I;
       const bf16* up = gate + I;
-      for (int64_t i = 0; i < I; i += cs::kLanes)
-        store_part(yp + m * I + i, cs::mul(gelu_tanh(load_part(gate + i, I - i)), load_part(up + i, I - i)), I - i);
+      store_row(yp + m * I, I, [&](int64_t i) { return cs::mul(gelu_tanh(cs::load_bf16(gate + i)), cs::load_bf16(up + i)); },
+                [&](int64_t i, int n) { return cs::mul(gelu_tanh(cs::load_bf16_n(gate + i, n)), cs::load_bf16_n(up + i, n)); });
     }
   });
   return y;
@@ -242,7 +269,7 @@ void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, in
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "bf16 [T, W] with unit column stride");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && num_heads >= 0 && x.size(1) >= num_heads * head_dim,
               "head_dim must be even and num_heads * head_dim fit in a row");
-  const int64_t T = x.size(0), D = head_dim, half = D / 2;
+  const int64_t T = x.size(0), D = head_dim, half = D / 2, half_v = half - half % cs::kLanes;
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "bf16 cos/sin");
   auto c = cos.reshape({T, D}).contiguous();
   auto s = sin.reshape({T, D}).contiguous();
@@ -256,15 +283,30 @@ void rope_inplace_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, in
       const bf16* st = sp + t * D;
       for (int64_t h = 0; h < num_heads; ++h) {
         bf16* v = xp + t * row_stride + h * D;
-        for (int64_t i = 0; i < half; i += cs::kLanes) {
-          const int64_t left = half - i;
-          const cs::VF a = load_part(v + i, left);         // first half
-          const cs::VF b = load_part(v + half + i, left);  // second half
-          // out[:half] = a cos - b sin; out[half:] = b cos + a sin (rotate_half = [-b, a])
-          const cs::VF lo = cs::fmsub(a, load_part(ct + i, left), cs::mul(b, load_part(st + i, left)));
-          const cs::VF hi = cs::fma(b, load_part(ct + half + i, left), cs::mul(a, load_part(st + half + i, left)));
-          store_part(v + i, lo, left);
-          store_part(v + half + i, hi, left);
+        // out[:half] = a cos - b sin; out[half:] = b cos + a sin (rotate_half = [-b, a]), a the
+        // first half and b the second
+        const auto lo = [&](int64_t i) {
+          return cs::fmsub(cs::load_bf16(v + i), cs::load_bf16(ct + i), cs::mul(cs::load_bf16(v + half + i), cs::load_bf16(st + i)));
+        };
+        const auto hi = [&](int64_t i) {
+          return cs::fma(cs::load_bf16(v + half + i), cs::load_bf16(ct + half + i), cs::mul(cs::load_bf16(v + i), cs::load_bf16(st + half + i)));
+        };
+        int64_t i = 0;
+        for (; i + 2 * cs::kLanes <= half_v; i += 2 * cs::kLanes) {  // (all four results before either store)
+          const cs::VF lo0 = lo(i), lo1 = lo(i + cs::kLanes), hi0 = hi(i), hi1 = hi(i + cs::kLanes);
+          cs::store_bf16_x2(v + i, lo0, lo1);
+          cs::store_bf16_x2(v + half + i, hi0, hi1);
+        }
+        if (i < half_v) {
+          const cs::VF lo0 = lo(i), hi0 = hi(i);
+          cs::store_bf16(v + i, lo0);
+          cs::store_bf16(v + half + i, hi0);
+        }
+        if (half_v < half) {
+          const int64_t i = half_v, left = half - half_v;
+          const cs::VF a = load_part(v + i, left), b = load_part(v + half + i, left);
+          store_part(v + i, cs::fmsub(a, load_part(ct + i, left), cs::mul(b, load_part(st + i, left))), left);
+          store_part(v + half + i, cs::fma(b, load_part(ct + half + i, left), cs::mul(a, load_part(st + half + i, left))), left);
         }
       }
     }

@@ -17,7 +17,7 @@
 // Contract every tier keeps (kernels rely on it for bit-identical results within a tier):
 //   - fma(a, b, c) is a single fused multiply-add (one rounding); mul/add round once each.
 //   - hsum() adds lanes in one fixed tree (halves, then quarters, ...), the same for every call.
-//   - exp() is the same polynomial on every tier (relative error ~1e-7 for x <= 0).
+//   - exp() gives the same bits on every tier (one polynomial; relative error ~1e-7 for x <= 0).
 //   - store_bf16() rounds to nearest even (NaN -> quiet NaN), as torch's float -> bfloat16.
 //   - dpbusd(acc, u, s): acc[i] += sum_{j<4} u8[4i+j] * s8[4i+j], exact on every tier PROVIDED each
 //     pair sum u0*s0 + u1*s1 fits int16 (|.| <= 32767): the AVX2 emulation saturates there. Callers
@@ -103,6 +103,20 @@ CS_INLINE VF load_bf16_n(const uint16_t* p, int n) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
 CS_INLINE void store_bf16_n(uint16_t* p, VF a, int n) { _mm256_mask_storeu_epi16(p, first_lanes(n), to_bf16_bits(a)); }
+// store_bf16(p, a) and store_bf16(p + kLanes, b), the same bits. With CHATSERVE_BF16: one
+// vcvtne2ps2bf16 and one 64-byte store for both where neither holds a NaN or a denormal (one
+// kortest over both vectors' vfpclassps masks): the check costs half as much per value.
+CS_INLINE void store_bf16_x2(uint16_t* p, VF a, VF b) {
+#if defined(CHATSERVE_BF16)
+  const __mmask16 ka = _mm512_fpclass_ps_mask(a.v, 0x01 | 0x20 | 0x80), kb = _mm512_fpclass_ps_mask(b.v, 0x01 | 0x20 | 0x80);
+  if (_kortestz_mask16_u8(ka, kb)) {
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(b.v, a.v));  // (low half from the second operand)
+    return;
+  }
+#endif
+  store_bf16(p, a);
+  store_bf16(p + kLanes, b);
+}
 // 2 * kLanes bf16 widened exactly, the even-indexed to `even` and the odd-indexed to `odd`: one load,
 // one shift and one and (no shuffle), for a packed layout that puts two outputs in each 32-bit word.
 CS_INLINE void load_bf16_even_odd(const uint16_t* p, VF& even, VF& odd) {
@@ -123,6 +137,12 @@ CS_INLINE VF round_nearest(VF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_
 // 2^n for integral-valued n in [-126, 127]
 CS_INLINE VF exp2_int(VF n) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+}
+// p * 2^n for integral-valued n in [-126, 127]: mul(p, exp2_int(n))'s bits in one instruction
+CS_INLINE VF times_exp2_int(VF p, VF n) { return {_mm512_scalef_ps(p.v, n.v)}; }
+// (x < y) ? a - b : src, lane-wise (one masked subtract)
+CS_INLINE VF sub_where_lt(VF x, VF y, VF a, VF b, VF src) {
+  return {_mm512_mask_sub_ps(src.v, _mm512_cmp_ps_mask(x.v, y.v, _CMP_LT_OQ), a.v, b.v)};
 }
 #else
 CS_INLINE VF zero() { return {_mm256_setzero_ps()}; }
@@ -161,6 +181,10 @@ CS_INLINE void store_bf16(uint16_t* p, VF a) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+CS_INLINE void store_bf16_x2(uint16_t* p, VF a, VF b) {
+  store_bf16(p, a);
+  store_bf16(p + kLanes, b);
+}
 CS_INLINE void load_bf16_even_odd(const uint16_t* p, VF& even, VF& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16))};
@@ -181,6 +205,8 @@ CS_INLINE VF round_nearest(VF a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NE
 CS_INLINE VF exp2_int(VF n) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23))};
 }
+CS_INLINE VF times_exp2_int(VF p, VF n) { return mul(p, exp2_int(n)); }
+CS_INLINE VF sub_where_lt(VF x, VF y, VF a, VF b, VF src) { return select_lt(x, y, sub(a, b), src); }
 #endif
 
 // ------------------------------------------------------------------ bf16 pairs (CHATSERVE_BF16 only)
@@ -233,10 +259,13 @@ CS_INLINE void store_bf16_n(uint16_t* p, VF a, int n) {
 
 // e^x for the x <= 0 of a max-subtracted softmax (and silu's e^-|x|): 2^n * 2^f with
 // n = round(x log2 e), |f| <= 1/2, 2^f from a degree-6 Taylor series of e^(f ln 2) (rel. error ~1e-7).
-// The same steps on every tier (scalef on AVX512 would differ from the exponent-bits build below
-// only for results below FLT_MIN, which the clamp at -87 keeps out).
+// x is clamped to [-87, 88.37626] so n stays in [-126, 127]: 2^n is a normal float on every tier, and
+// a large positive x (tier_attention.cpp's tanh passes 2x) gives ~2.4e38, not the wrapped exponent
+// bits that n >= 129 would make. AVX512 multiplies by 2^n with vscalefps (one instruction), the
+// others build 2^n from exponent bits: p * 2^n is one correctly rounded product either way, so the
+// bits are the same on every tier (checked for every fp32 x <= 1 and a sweep of larger x).
 CS_INLINE VF exp(VF x) {
-  x = max(x, set1(-87.0f));
+  x = min(max(x, set1(-87.0f)), set1(88.3762626647949f));
   const VF y = mul(x, set1(1.4426950408889634f));
   const VF n = round_nearest(y);
   const VF z = mul(sub(y, n), set1(0.6931471805599453f));
@@ -247,7 +276,7 @@ CS_INLINE VF exp(VF x) {
   p = fma(p, z, set1(0.5f));
   p = fma(p, z, set1(1.0f));
   p = fma(p, z, set1(1.0f));
-  return mul(p, exp2_int(n));
+  return times_exp2_int(p, n);
 }
 
 // ------------------------------------------------------------------ integer vectors (int8 dot products)

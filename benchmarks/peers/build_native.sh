@@ -35,6 +35,8 @@ JOBS=${JOBS:-2}
 EXTRA_CMAKE_ARGS=${EXTRA_CMAKE_ARGS:-}
 
 log() { printf '[build_native] %s\n' "$*" >&2; }
+# shellcheck source=benchmarks/peers/ggml_isa.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ggml_isa.sh"
 
 # The ggml ISA cmake flags for a /proc/cpuinfo "flags" line (argument; default: this CPU's).
 # AMX listed -> GGML_NATIVE=OFF, every extension named, AMX explicitly off. Otherwise GGML_NATIVE=ON.
@@ -49,18 +51,7 @@ isa_cmake_args() {  # [cpuinfo flags]
         echo "-DGGML_NATIVE=ON"
         return 0
     fi
-    local args="-DGGML_NATIVE=OFF"
-    has avx && args+=" -DGGML_AVX=ON"
-    has avx2 && args+=" -DGGML_AVX2=ON"
-    has bmi2 && args+=" -DGGML_BMI2=ON"
-    has fma && args+=" -DGGML_FMA=ON"
-    has f16c && args+=" -DGGML_F16C=ON"
-    has avx_vnni && args+=" -DGGML_AVX_VNNI=ON"
-    has avx512f && args+=" -DGGML_AVX512=ON"
-    has avx512vbmi && args+=" -DGGML_AVX512_VBMI=ON"
-    has avx512_vnni && args+=" -DGGML_AVX512_VNNI=ON"
-    has avx512_bf16 && args+=" -DGGML_AVX512_BF16=ON"
-    echo "$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    ggml_isa_args "$flags"
 }
 
 # name -> pip spec, folder inside the sdist, cmake options, targets (stages split by "|": the

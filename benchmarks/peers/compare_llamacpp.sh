@@ -24,6 +24,8 @@ set -euo pipefail
 
 # shellcheck source=benchmarks/compare_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../compare_common.sh"
+# shellcheck source=benchmarks/peers/ggml_isa.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ggml_isa.sh"
 LOG_TAG=compare_llamacpp
 INSTALL_ONLY=0
 case "${1:-}" in
@@ -58,20 +60,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # by default we build for the x86 ISA extensions /proc/cpuinfo lists, AMX never. CMAKE_ARGS wins.
 default_cmake_args() {
     [ "$(uname -m)" = x86_64 ] && [ -r /proc/cpuinfo ] || return 0
-    local flags args="-DGGML_NATIVE=OFF"
-    flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-    has() { case "$flags" in *" $1 "*) return 0 ;; esac; return 1; }
-    has avx && args+=" -DGGML_AVX=ON"
-    has avx2 && args+=" -DGGML_AVX2=ON"
-    has bmi2 && args+=" -DGGML_BMI2=ON"
-    has fma && args+=" -DGGML_FMA=ON"
-    has f16c && args+=" -DGGML_F16C=ON"
-    has avx_vnni && args+=" -DGGML_AVX_VNNI=ON"
-    has avx512f && args+=" -DGGML_AVX512=ON"
-    has avx512vbmi && args+=" -DGGML_AVX512_VBMI=ON"
-    has avx512_vnni && args+=" -DGGML_AVX512_VNNI=ON"
-    has avx512_bf16 && args+=" -DGGML_AVX512_BF16=ON"
-    echo "$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    ggml_isa_args "$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2)"
 }
 if ! "$LVENV/bin/python" -c 'import llama_cpp.server.app, uvicorn' >/dev/null 2>&1; then
     CMAKE_ARGS=${CMAKE_ARGS:-$(default_cmake_args)}

@@ -1,4 +1,4 @@
-"""Pure-torch/numpy reference of the quantized matmul API (csrc/quant_gemm.cpp via cpu_quant.py).
+"""Pure-torch/numpy reference of the quantized matmul API (csrc/tier_quant.cpp via cpu_quant.py).
 
 Same functions, same arguments, the same arithmetic: "packed" is the GGUF blocks kept as they are
 (or int8 rows followed by their fp32 scales); `rows` / `dequantize` de-quantise with the `gguf`

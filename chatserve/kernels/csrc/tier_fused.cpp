@@ -1,6 +1,6 @@
 // Fused elementwise ops of a decoder layer for bf16 activations, written once over csrc/vec.h and
-// compiled per kernel tier (issue #30: AVX2 and AVX512 without BF16; csrc/cpu_fused.cpp is the
-// hand-written AVX512-BF16 version, and these keep its functions and semantics).
+// compiled per kernel tier (issue #30; since issue 56 the AVX512-BF16 tier too, whose hand-written
+// copy these replaced with the same functions, semantics and bits).
 //
 // Why: at decode batch sizes each torch elementwise op is a few microseconds of work behind tens of
 // microseconds of dispatch and OpenMP wake-up; one pass each here, computed in fp32 and rounded to

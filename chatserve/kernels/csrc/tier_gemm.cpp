@@ -82,7 +82,7 @@ constexpr int tile_panels(int rows) {
 #endif
 #ifndef GEMM_COL_BLOCK_BYTES
 #if defined(CHATSERVE_BF16)
-#define GEMM_COL_BLOCK_BYTES (448 * 1024)  // bf16_gemm.cpp's, measured on Zen 4 (M = 1000: ~190 -> ~450 GFLOP/s a core)
+#define GEMM_COL_BLOCK_BYTES (448 * 1024)  // the AVX512-BF16 tier's own, measured on Zen 4 (M = 1000: ~190 -> ~450 GFLOP/s a core)
 #else
 #define GEMM_COL_BLOCK_BYTES (256 * 1024)
 #endif

@@ -53,9 +53,17 @@ def assert_close(got: PromptLogprobs | None, want: PromptLogprobs | None) -> Non
         if w is None:
             assert g is None
             continue
-        assert g is not None and {t: lp.rank for t, lp in g.items()} == {t: lp.rank for t, lp in w.items()}
+        assert g is not None and set(g) == set(w)
         for t, lp in w.items():
             assert g[t].logprob == pytest.approx(lp.logprob, abs=1e-5)
+            # A rank counts the vocabulary's tokens above this one: deep in the tail (a prompt token the
+            # model finds unlikely, rank ~20,000 of 49,152) another summation order can move a neighbour
+            # 1e-6 away across it (seen: 23,862 against 23,863 on an AVX2-capped run). The top ranks
+            # are well separated and must match exactly.
+            if lp.rank <= 20:
+                assert g[t].rank == lp.rank, (t, g[t].rank, lp.rank)
+            else:
+                assert abs(g[t].rank - lp.rank) <= 3, (t, g[t].rank, lp.rank)
 
 
 def test_prompt_logprobs_match_transformers(llm, folder) -> None:

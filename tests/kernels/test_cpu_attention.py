@@ -52,7 +52,11 @@ def paged(kernels, k_cache, v_cache):
 
 def attend(kernels, q, k_cache, v_cache, tables, seqs, groups=None, scale=0.125):
     """seqs: (start position, new tokens) per sequence, their rows packed in order in q; plain caches."""
-    k_cache, v_cache = paged(kernels, k_cache, v_cache)
+    return attend_paged(kernels, q, *paged(kernels, k_cache, v_cache), tables, seqs, groups, scale)
+
+
+def attend_paged(kernels, q, k_cache, v_cache, tables, seqs, groups=None, scale=0.125, window=0, softcap=0.0):
+    """`attend` over caches already in the kernel's layout (bf16 or int8); window / soft-cap passed when set."""
     query_start = [0]
     for _, n in seqs:
         query_start.append(query_start[-1] + n)
@@ -62,8 +66,9 @@ def attend(kernels, q, k_cache, v_cache, tables, seqs, groups=None, scale=0.125)
         group_start.append(group_start[-1] + len(g))
     width = max(len(t) for t in tables)
     padded = [t + [t[0]] * (width - len(t)) for t in tables]
+    extra = (window, softcap) if window or softcap else ()
     return kernels.paged_attention(q, k_cache, v_cache, _i64(padded), _i64(query_start), _i64([s for s, _ in seqs]),
-                                   _i64([i for g in groups for i in g]), _i64(group_start), scale)
+                                   _i64([i for g in groups for i in g]), _i64(group_start), scale, *extra)
 
 
 def reference(q, k_cache, v_cache, tables, seqs, scale=0.125):

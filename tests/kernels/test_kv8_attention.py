@@ -25,7 +25,7 @@ from chatserve.kernels.kv_quant import dequantize_kv_rows, quantize_kv_rows
 from chatserve.kernels.reference import paged_extend_attention, paged_masked_attention
 from chatserve.kernels.tiers import build_tier_family
 from tests.conftest import PROCESS_ENGINE_ARGS
-from tests.kernels.test_cpu_attention import SEQS, _setup
+from tests.kernels.test_cpu_attention import SEQS, _setup, attend_paged
 
 TESTED = [t.name for t in tiers.tested_tiers(cap=PROCESS_ENGINE_ARGS.max_cpu_tier)]
 
@@ -82,17 +82,7 @@ def paged_int8(kernels, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[t
 
 def attend(kernels, q, caches, tables, seqs, groups=None, scale=0.125, window=0, softcap=0.0):
     """seqs: (start position, new tokens) per sequence, their rows packed in order in q; `caches`: int8, kernel layout."""
-    query_start = [0]
-    for _, n in seqs:
-        query_start.append(query_start[-1] + n)
-    groups = groups or [[i] for i in range(len(seqs))]
-    group_start = [0]
-    for g in groups:
-        group_start.append(group_start[-1] + len(g))
-    width = max(len(t) for t in tables)
-    padded = [t + [t[0]] * (width - len(t)) for t in tables]
-    return kernels.paged_attention(q, *caches, _i64(padded), _i64(query_start), _i64([s for s, _ in seqs]),
-                                   _i64([i for g in groups for i in g]), _i64(group_start), scale, window, softcap)
+    return attend_paged(kernels, q, *caches, tables, seqs, groups, scale, window, softcap)
 
 
 def reference(q, k_cache, v_cache, tables, seqs, scale=0.125, window=0, softcap=0.0):

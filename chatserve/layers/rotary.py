@@ -15,8 +15,10 @@ def rope_inv_freq(hf_config: Any, head_dim: int, *, layer_type: str | None = Non
                   max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) exactly as transformers computes them for this config.
 
-    Default rope is computed here; every scaled variant (linear, dynamic, yarn,
-    llama3, longrope) comes from transformers' ROPE_INIT_FUNCTIONS.
+    Default rope is computed here, divided by `rope_freq_factors` where a GGUF's rope_freqs tensor
+    set them (models/gguf_families.py; an explicit rope scaling, e.g. from --hf-overrides, replaces
+    them); every scaled variant (linear, dynamic, yarn, llama3, longrope) comes from transformers'
+    ROPE_INIT_FUNCTIONS.
     layer_type: the per-layer-type settings of configs that have them (Gemma 3: "sliding_attention"
     layers rotate with rope_local_base_freq, "full_attention" ones with rope_theta and its scaling).
     max_positions: the engine's context length, for the types that transformers recomputes per forward
@@ -37,7 +39,14 @@ def rope_inv_freq(hf_config: Any, head_dim: int, *, layer_type: str | None = Non
         factor = (params.get("partial_rotary_factor") if isinstance(params, dict) else None) or 1.0
         dim = int(head_dim * factor)
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-        return 1.0 / (theta**exponent), 1.0
+        inv_freq = 1.0 / (theta**exponent)
+        factors = getattr(hf_config, "rope_freq_factors", None)
+        if factors is not None:  # a GGUF's rope_freqs (Llama 3.1+'s llama3 scaling): llama.cpp divides by them
+            divisors = torch.tensor(factors, dtype=torch.float32)
+            if divisors.shape != inv_freq.shape:
+                raise ValueError(f"rope_freq_factors has {divisors.numel()} values; the rotary has {inv_freq.numel()} frequencies")
+            inv_freq = inv_freq / divisors
+        return inv_freq, 1.0
     # Scaled rope: transformers' functions (importing transformers, ~1 s on a 2-core host, only for these configs),
     # which call a transformers config's methods: a config saved for warm starts hands over transformers' own.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

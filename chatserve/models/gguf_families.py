@@ -1,10 +1,11 @@
-"""What transformers' GGUF config conversion leaves out for Gemma 2/3 and Phi-3, from llama.cpp's keys.
+"""What transformers' GGUF config conversion leaves out for Llama 3.1+, Gemma 2/3 and Phi-3, from llama.cpp's keys.
 
 transformers maps a GGUF file's metadata to a config by a fixed table (integrations/ggml.py) that
 has no entry for the settings these families run on: Gemma 2's soft-caps, Gemma's attention scale,
 Gemma 3's rope scaling, Phi-3's sliding window, original context and long-rope factors (which
 llama.cpp's converter stores as the tensors rope_factors_long / rope_factors_short), and the
-partial rotary of Phi-4-mini (rope.dimension_count). Without them a file would load with the config
+partial rotary of Phi-4-mini (rope.dimension_count), and Llama 3.1+'s llama3 rope scaling, which
+llama.cpp's converter stores as the per-frequency divisors of the tensor rope_freqs. Without them a file would load with the config
 class's defaults: plausible for some checkpoints, silently wrong for others. `complete_gguf_config`
 fills them in as llama.cpp reads them; the metadata cache (models/loader.py) then stores the result.
 """
@@ -33,12 +34,43 @@ def complete_gguf_config(config: Any, path: str) -> Any:
             _complete_gemma(config, header, arch)
         elif arch == "phi3":
             _complete_phi3(config, header, buf)
+        _complete_rope_freqs(config, header, buf, str(arch))
     finally:
         try:
             buf.close()
         except BufferError:  # a numpy view of it is still referenced; closed when collected
             pass
     return config
+
+
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+def _complete_rope_freqs(config: Any, header: GGUFHeader, buf: Any, arch: str) -> None:
+    """`config.rope_freq_factors`: the per-frequency divisors of a file's `rope_freqs` tensor.
+
+    Why: llama.cpp's converter writes a Llama 3.1 / 3.2 checkpoint's `rope_scaling` (type llama3)
+    as no metadata at all, only this tensor of head_dim / 2 factors that llama.cpp's rope divides
+    each frequency by. transformers' GGUF table skips it, so the config says "default rope" and
+    positions past a few thousand rotate differently from llama.cpp (and from the original
+    checkpoint). `layers/rotary.py` divides the default inverse frequencies by these factors, which is
+    llama.cpp's arithmetic; the factors themselves are what the file says, whatever formula made them.
+    """
+    info = next((t for t in header.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if info is None:
+        return
+    factors = np.asarray(raw_array(buf, info), dtype=np.float32).reshape(-1)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type != "default":
+        raise ValueError(f"{arch} GGUF has both a {rope_type!r} rope scaling and a {ROPE_FREQS_TENSOR} tensor; "
+                         "llama.cpp applies both, chatserve serves only one of them")
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    rotary = int(header.metadata.get(f"{arch}.rope.dimension_count", head_dim))
+    if factors.size != rotary // 2 or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise ValueError(f"{arch} GGUF's {ROPE_FREQS_TENSOR} has {factors.size} factors (finite, positive ones "
+                         f"expected: one per rotated pair, {rotary // 2})")
+    config.rope_freq_factors = [float(x) for x in factors]
 
 
 def _complete_gemma(config: Any, header: GGUFHeader, arch: str) -> None:

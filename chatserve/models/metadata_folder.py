@@ -26,9 +26,10 @@ class GgufSource(Protocol):
 
 
 # Bumped when what is saved from a GGUF's metadata changes (the config facts models/gguf_families.py and
-# gguf_moe.py add to transformers' conversion; 3: tokenizer_config.json lists the added tokens): a
+# gguf_moe.py add to transformers' conversion; 3: tokenizer_config.json lists the added tokens; 4: a
+# rope_freqs tensor becomes rope_freq_factors): a
 # folder converted by older code is converted again.
-METADATA_FORMAT = 3
+METADATA_FORMAT = 4
 
 
 def transformers_version() -> str:

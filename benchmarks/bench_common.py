@@ -147,7 +147,18 @@ def build_workload(
 
 
 def peak_rss_mib() -> float:
-    # Linux reports ru_maxrss in KiB.
+    """This process's peak resident set (MiB): /proc/self/status's VmHWM, the high-water mark of this
+    process's own memory map.
+
+    Not ru_maxrss: Linux carries it across exec from the parent's pages at fork, so a worker started
+    by a harness holding 2 GiB (bench_native's bandwidth probe) reported 2,309 MiB whatever it loaded.
+    ru_maxrss (KiB) is the fallback where /proc is absent."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

@@ -22,7 +22,7 @@ the table shows medians over --rounds. Per model and engine:
               -npp 16 -ntg 128 -npl 8` (S_TG: 8 sequences decoding in one batch, after their
               prefill). chatserve: 8 prompts of 16 ids in one `generate`, 8 (N - 1) / (time(N) - time(1)).
   peak RSS    the process's maximum resident set (MiB): /usr/bin/time -v for the binaries (mmapped
-              weight pages count once touched), ru_maxrss for chatserve's worker (after warm-up and
+              weight pages count once touched), VmHWM for chatserve's worker (after warm-up and
               all of the above).
 
 ik_llama.cpp runs with `-rtr 1` (run-time repacking of the weights into its interleaved layouts,

@@ -33,7 +33,7 @@ Method (identical for both engines, all greedy, EOS ignored so every request mak
   * batch 32  B (default 32) distinct prompts of 10-40 tokens, N new tokens each, submitted in one call
               (transformers: one batched `generate` with left padding). A short warm-up, then best of
               --batch-repeats (default 1) runs; throughput = generated tokens / wall time.
-  * RSS       peak resident set of the worker process (ru_maxrss), plus RSS right after load.
+  * RSS       peak resident set of the worker process (VmHWM), plus RSS right after load.
 
 llama.cpp (`--engines ...,llamacpp`): llama-cpp-python in its own virtualenv (.venv-llamacpp, built
 from source by benchmarks/peers/compare_llamacpp.sh --install-only; --llamacpp-python elsewhere). Its worker

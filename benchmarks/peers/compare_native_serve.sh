@@ -15,7 +15,8 @@
 #      completions, SSE; NUM_REQUESTS requests at CONCURRENCY, MAX_TOKENS each, ignore_eos).
 # Servers: chatserve (`chatserve serve`, the GGUF's quantized kernels, prefix cache on);
 # llama-server with SLOTS parallel slots sharing SLOTS x SLOT_CTX tokens of context, continuous
-# batching (its default), THREADS for decode and batch; ik's llama-server the same plus `--run-time-repack`.
+# batching (its default), THREADS for decode and batch; ik's llama-server the same plus `--run-time-repack` and `-no-fa` (ik 0.1.5's
+# flash-attention kernel fails GGML_ASSERT(S > 0) on parallel slots: the server aborts on the first batch).
 # Peak RSS (VmHWM) of each server is read before it stops.
 #
 # Knobs (environment): MODEL (default: the 135M default GGUF), ENGINES ("chatserve llamacpp ik"),
@@ -81,7 +82,7 @@ start_engine() {  # engine port
                 --host 127.0.0.1 --port "$2" -t "$THREADS" -tb "$THREADS" -c "$ctx" -np "$SLOTS" ;;
         ik)
             start_server ik "$OUT_DIR/ik.log" "$IK_BIN/llama-server" -m "$MODEL" --alias "$NAME" \
-                --host 127.0.0.1 --port "$2" -t "$THREADS" -tb "$THREADS" -c "$ctx" -np "$SLOTS" --run-time-repack ;;
+                --host 127.0.0.1 --port "$2" -t "$THREADS" -tb "$THREADS" -c "$ctx" -np "$SLOTS" --run-time-repack -no-fa ;;
     esac
 }
 

@@ -168,3 +168,18 @@ def test_a_workers_peak_rss_is_its_own_not_its_parents():
     own = float(out.stdout.split()[-1])
     assert 64 <= own < 200, own  # its own 64 MiB array and an interpreter, not the parent's 256 MiB
     assert held[-1] == 1.0
+
+
+def test_the_bandwidth_probe_compiles_and_reads(tmp_path, monkeypatch):
+    """read_bandwidth.c, built by bench_native into the native cache (once: a second call reuses it),
+    prints one positive GiB/s figure; a wrong argument count is refused with its usage."""
+    monkeypatch.setenv("NATIVE_CACHE", str(tmp_path))
+    bench = _load("peers/bench_native.py")
+    probe = bench._bandwidth_probe()
+    if probe is None:
+        pytest.skip("no C compiler")
+    assert probe.parent == tmp_path and bench._bandwidth_probe() == probe
+    gib_s = bench.read_bandwidth_gib_s(1, gib=0.03, repeats=1)
+    assert 0.1 < gib_s < 10_000
+    bad = subprocess.run([str(probe)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr

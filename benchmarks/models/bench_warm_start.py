@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,20 +116,25 @@ def one_start(args: argparse.Namespace, checkout: Path, cache_dir: str, python_f
     # start (~0.2 s of 2 cores' time), which no user's second start pays
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     with tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=checkout)
-        try:
-            seconds = first_token_seconds(port, t0, t0 + args.timeout)
-            cpu = cpu_seconds(proc.pid)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        seconds, cpu = timed_start(cmd, port, args.timeout, env=env, stderr=err, cwd=checkout)
         err.seek(0)
         return seconds, cpu, err.read().decode(errors="replace")
+
+
+def timed_start(cmd: list[str], port: int, timeout: float, **popen: Any) -> tuple[float, float]:
+    """(seconds from spawning `cmd` to its first streamed token on `port`, its CPU seconds by then); the
+    server is stopped after."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, **popen)
+    try:
+        return first_token_seconds(port, t0, t0 + timeout), cpu_seconds(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def default_gguf() -> str:
@@ -148,19 +154,7 @@ def native_start(binary: str, model: str, threads: int, timeout: float) -> tuple
     """(seconds to the first token, CPU seconds by then) of one fresh native `llama-server` on `model`."""
     port = free_port()
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-c", "512"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        seconds = first_token_seconds(port, t0, t0 + timeout)
-        cpu = cpu_seconds(proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return seconds, cpu
+    return timed_start(cmd, port, timeout, stderr=subprocess.DEVNULL)
 
 
 def torch_import_seconds() -> float:

@@ -396,7 +396,10 @@ def test_full_queue_sheds_load_with_503_and_retry_after(small_server):
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 1500, "temperature": 0,
             "stream": True, "ignore_eos": True}
     streams = [_stream(srv.url, body, f"q-{i}") for i in range(2)]
-    wait_until(lambda: srv.gauge("num_requests_waiting") >= 1, what="a waiting request")
+    # both in: one running, one waiting (waiting >= 1 alone was also true of the first stream before its
+    # first step, which let the third request in ahead of the second on a loaded host)
+    wait_until(lambda: srv.gauge("num_requests_running") >= 1 and srv.gauge("num_requests_waiting") >= 1,
+               what="a running and a waiting request")
     r = post(srv, "/v1/chat/completions", body)
     err = assert_error(r, 503)
     assert r.headers["retry-after"] and err["code"] == "queue_full"

@@ -146,6 +146,17 @@ def build_workload(
     }
 
 
+def _status_mib(key: str) -> float | None:
+    """A memory line of /proc/self/status (`VmHWM`, `VmRSS`) in MiB; None where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident set (MiB): /proc/self/status's VmHWM, the high-water mark of this
     process's own memory map.
@@ -153,23 +164,13 @@ def peak_rss_mib() -> float:
     Not ru_maxrss: Linux carries it across exec from the parent's pages at fork, so a worker started
     by a harness holding 2 GiB (bench_native's bandwidth probe) reported 2,309 MiB whatever it loaded.
     ru_maxrss (KiB) is the fallback where /proc is absent."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    hwm = _status_mib("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def current_rss_mib() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return float("nan")
+    rss = _status_mib("VmRSS")
+    return rss if rss is not None else float("nan")
 
 
 # (key, label, higher_is_better, format)

@@ -15,35 +15,15 @@ chunks, in a shared-prefix group, at any block size), with sliding windows and s
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from chatserve.kernels import tiers
 from chatserve.kernels.kv_quant import dequantize_kv_rows, quantize_kv_rows
 from chatserve.kernels.reference import paged_extend_attention, paged_masked_attention
-from chatserve.kernels.tiers import build_tier_family
-from tests.conftest import PROCESS_ENGINE_ARGS
-from tests.kernels.test_cpu_attention import SEQS, _setup, attend_paged
+from tests.kernels import test_cpu_attention
+from tests.kernels.test_cpu_attention import SEQS, _i64, _setup, attend_paged
 
-TESTED = [t.name for t in tiers.tested_tiers(cap=PROCESS_ENGINE_ARGS.max_cpu_tier)]
-
-
-@pytest.fixture(scope="module", params=TESTED or ["none"])
-def kernels(request):
-    if request.param == "none":
-        pytest.skip("no kernel tier on this CPU (needs AVX2 + FMA)")
-    ext = build_tier_family("attention", tiers.TIERS[request.param])
-    if ext is None:
-        pytest.fail(f"the {request.param} attention kernel did not build (a tier this CPU runs)")
-    return SimpleNamespace(tier=request.param, paged_attention=ext.paged_attention_bf16,
-                           store_kv_paged=ext.store_kv_paged_bf16, store_kv=ext.store_kv_bf16)
-
-
-def _i64(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
+kernels = test_cpu_attention.kernels  # the tier fixture: every tier this CPU runs, capped by $CHATSERVE_MAX_CPU_TIER
 
 # ------------------------------------------------------------------ the contract's layouts
 
